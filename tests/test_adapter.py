@@ -1,0 +1,254 @@
+"""The colocated sync of the real verl release, wrapped by the adapter, with recorded calls."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _verl_fakes import (
+    Events,
+    FakeDevice,
+    compose_config,
+    engine_worker,
+    fastsync_overrides,
+    install_recorders,
+    stub_gpu_only,
+    legacy_fsdp_worker,
+    run,
+)
+
+import verl_fastsync  # noqa: F401  (installs the plugin)
+from verl_fastsync import adapter, plugins
+from verl_fastsync.config import FastsyncConfigError
+
+pytestmark = [pytest.mark.verl, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugin_managers() -> Any:
+    plugins.plugin_manager.cache_clear()
+    yield
+    plugins.plugin_manager.cache_clear()
+
+
+@pytest.fixture
+def ew(monkeypatch: pytest.MonkeyPatch) -> Any:
+    module = importlib.import_module("verl.workers.engine_workers")
+    stub_gpu_only(monkeypatch, module)
+    return module
+
+
+def sync(ew: Any, monkeypatch: pytest.MonkeyPatch, overrides: list[str], stock: bool = False) -> Events:
+    """Run the release's naive ``update_weights`` once and return the recorded calls."""
+    events = Events()
+    install_recorders(monkeypatch, events, FakeDevice(events))
+    worker = engine_worker(ew, compose_config(overrides), events)
+    method = ew.ActorRolloutRefWorker.update_weights
+    run((method.__wrapped__ if stock else method)(worker, global_steps=3))
+    assert worker.rollout.received == ["layer.weight", "layer.bias"]
+    return events
+
+
+def test_patched_on_import(ew: Any) -> None:
+    assert getattr(ew.ActorRolloutRefWorker.update_weights, adapter._MARK)
+    assert getattr(ew.ActorRolloutRefWorker.__init__, adapter._MARK)
+    # verl's dispatch metadata survives the wrapper
+    original = ew.ActorRolloutRefWorker.update_weights.__wrapped__
+    assert vars(original).keys() - {"__wrapped__"} <= vars(ew.ActorRolloutRefWorker.update_weights).keys()
+
+
+def test_install_twice_is_idempotent(ew: Any) -> None:
+    before = ew.ActorRolloutRefWorker.update_weights
+    verl_fastsync.install()
+    adapter._patch_engine_workers(ew)
+    assert ew.ActorRolloutRefWorker.update_weights is before
+    assert sys.meta_path.count(adapter._FINDER) == 1
+
+
+@pytest.mark.parametrize("overrides", [[], fastsync_overrides(enable=False)], ids=["absent", "disabled"])
+def test_disabled_makes_stock_calls(ew: Any, monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> None:
+    stock = sync(ew, monkeypatch, overrides, stock=True)
+    assert sync(ew, monkeypatch, overrides) == stock
+    assert stock.before("resume:weights", "transfer") and stock.before("transfer", "resume:kv_cache")
+
+
+def test_light_no_gc_and_ordered(ew: Any, monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]) -> None:
+    events = sync(ew, monkeypatch, fastsync_overrides(enable=True))
+    assert "gc" not in events
+    pre = events[: events.index("resume:weights")]
+    assert pre == ["empty_cache"]
+    post = events[events.index("transfer") : events.index("resume:kv_cache")]
+    # synchronize + empty_cache after the offload
+    offload = post.index("offload:cpu")
+    assert post[offload + 1 : offload + 3] == ["synchronize", "empty_cache"]
+    assert post.count("empty_cache") == 1
+    if verl_version >= (0, 9, 1):
+        assert post.index("empty_cache") < post.index("barrier")
+    # one stock run for comparison: verl's own cleanup calls were replaced, not added to
+    stock = sync(ew, monkeypatch, [], stock=True)
+    assert events.count("empty_cache") <= max(stock.count("empty_cache"), 2)
+
+
+def test_aggressive_collects_before_resume(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = sync(ew, monkeypatch, fastsync_overrides(enable=True, pre_resume_cleanup="aggressive"))
+    pre = events[: events.index("resume:weights")]
+    assert pre[:3] == ["gc", "empty_cache", "synchronize"]
+    post = events[events.index("transfer") : events.index("resume:kv_cache")]
+    assert "gc" not in post
+
+
+def test_adaptive_collects_only_when_short(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    overrides = fastsync_overrides(enable=True, pre_resume_cleanup="adaptive", adaptive_headroom_gib=8)
+    assert "gc" not in sync(ew, monkeypatch, overrides)
+    events = Events()
+    install_recorders(monkeypatch, events, FakeDevice(events, free_bytes=1 << 30))
+    worker = engine_worker(ew, compose_config(overrides), events)
+    run(ew.ActorRolloutRefWorker.update_weights(worker, global_steps=1))
+    assert events[: events.index("resume:weights")] == ["empty_cache", "gc", "empty_cache"]
+    metrics = adapter.last_sync_metrics(worker)
+    assert metrics["fastsync/pre_resume_cleanup/gc_ran"] == 1.0
+    assert metrics["fastsync/post_transfer_cleanup/gc_ran"] == 0.0
+
+
+def test_hooks_run_once_per_sync_and_metrics(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = Events()
+    install_recorders(monkeypatch, events, FakeDevice(events))
+    worker = engine_worker(ew, compose_config(fastsync_overrides(enable=True)), events)
+    for step in range(3):
+        run(ew.ActorRolloutRefWorker.update_weights(worker, global_steps=step))
+    assert events.count("resume:weights") == 3
+    metrics = adapter.last_sync_metrics(worker)
+    for boundary in ("pre_resume_cleanup", "post_transfer_cleanup"):
+        for field in ("seconds", "reserved_freed_bytes", "allocated_freed_bytes", "gc_ran", "gc_collected"):
+            assert f"fastsync/{boundary}/{field}" in metrics
+
+
+def test_non_naive_path_untouched(ew: Any, monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]) -> None:
+    events = Events()
+    install_recorders(monkeypatch, events, FakeDevice(events))
+    config = compose_config(fastsync_overrides(enable=True))
+    worker = engine_worker(ew, config, events)
+    sent: list[str] = []
+
+    class Engine:
+        async def send_weights(self, weights: Any, global_steps: Any = None) -> None:
+            sent.extend(name for name, _ in weights)
+
+    worker.checkpoint_engine = Engine()
+    worker.config.rollout.checkpoint_engine.backend = "nccl"
+    run(ew.ActorRolloutRefWorker.update_weights(worker, global_steps=1))
+    assert sent == ["layer.weight", "layer.bias"] and events == []
+    assert adapter.last_sync_metrics(worker) == {}
+
+
+def test_invalid_config_fails_at_worker_start(ew: Any) -> None:
+    config = compose_config(fastsync_overrides(enable=True, pre_resume_cleanup="turbo"))
+    with pytest.raises(FastsyncConfigError) as info:
+        ew.ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor_rollout")
+    message = str(info.value)
+    assert "actor_rollout_ref.rollout.custom.fastsync.pre_resume_cleanup='turbo'" in message
+    assert "adaptive, aggressive, light, none" in message
+
+
+def test_typo_key_fails_at_worker_start(ew: Any) -> None:
+    config = compose_config(["+actor_rollout_ref.rollout.custom.fastsync.enabel=true"])
+    with pytest.raises(FastsyncConfigError, match=r"fastsync\.enabel=True: unknown key; allowed keys: enable, "):
+        ew.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
+
+
+def _write_plugin(root: Path, module: str, body: str) -> None:
+    """A real installed distribution whose entry point of group ``verl_fastsync`` is ``module``."""
+    (root / f"{module}.py").write_text(textwrap.dedent(body))
+    dist = root / f"{module}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[verl_fastsync]\n{module} = {module}\n")
+
+
+THIRD_PARTY = """
+    from verl_fastsync import hookimpl
+    from verl_fastsync.cleanup import CleanupOutcome
+
+    def _takeover(ctx):
+        ctx.device.events.append("third-party:" + ctx.boundary)
+        return CleanupOutcome()
+
+    @hookimpl
+    def pre_resume_cleanup(policy, available):
+        available.append("light")
+        return _takeover if policy == "light" else None
+"""
+
+
+def test_third_party_entry_point_takes_over(
+    ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _write_plugin(tmp_path, "fastsync_takeover", THIRD_PARTY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    events = sync(ew, monkeypatch, fastsync_overrides(enable=True))
+    assert events[: events.index("resume:weights")] == ["third-party:pre_resume_cleanup"]
+    # the other boundary keeps the built-in
+    post = events[events.index("transfer") : events.index("resume:kv_cache")]
+    assert "empty_cache" in post
+    # blocking it restores the built-in
+    plugins.plugin_manager.cache_clear()
+    overrides = [*fastsync_overrides(enable=True), "+actor_rollout_ref.rollout.custom.fastsync.disabled_plugins=[fastsync_takeover]"]
+    events = sync(ew, monkeypatch, overrides)
+    assert events[: events.index("resume:weights")] == ["empty_cache"]
+
+
+def test_raising_plugin_is_named(ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _write_plugin(
+        tmp_path,
+        "fastsync_broken",
+        """
+        from verl_fastsync import hookimpl
+
+        @hookimpl
+        def post_transfer_cleanup(policy, available):
+            raise RuntimeError("boom")
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = compose_config(fastsync_overrides(enable=True))
+    with pytest.raises(plugins.PluginHookError, match="plugin 'fastsync_broken' raised in hook post_transfer_cleanup"):
+        ew.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
+
+
+def test_legacy_fsdp_rollout_mode(monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]) -> None:
+    fsdp = importlib.import_module("verl.workers.fsdp_workers") if importlib.util.find_spec(
+        "verl.workers.fsdp_workers"
+    ) else None
+    if fsdp is None or not hasattr(fsdp.ActorRolloutRefWorker, "rollout_mode"):
+        pytest.skip(f"verl {verl_version} has no legacy rollout_mode (0.7.1 only)")
+    assert getattr(fsdp.ActorRolloutRefWorker.rollout_mode, adapter._MARK)
+    stub_gpu_only(monkeypatch, fsdp)
+    monkeypatch.setattr(fsdp, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(fsdp, "convert_weight_keys", lambda params, model: params)
+
+    def legacy(overrides: list[str], stock: bool = False) -> Events:
+        events = Events()
+        install_recorders(monkeypatch, events, FakeDevice(events))
+        worker = legacy_fsdp_worker(fsdp, compose_config(overrides), events)
+        method = fsdp.ActorRolloutRefWorker.rollout_mode
+        run((method.__wrapped__ if stock else method)(worker))
+        assert worker.rollout.received == ["weight", "bias"]
+        return events
+
+    stock = legacy([], stock=True)
+    assert legacy([]) == stock
+    assert stock.index("gc") < stock.index("resume:weights")
+
+    light = legacy(fastsync_overrides(enable=True))
+    assert "gc" not in light
+    assert light[: light.index("resume:weights")] == ["empty_cache"]
+    post = light[light.index("transfer") : light.index("resume:kv_cache")]
+    assert post == ["transfer", "synchronize", "empty_cache"]
+
+    aggressive = legacy(fastsync_overrides(enable=True, pre_resume_cleanup="aggressive"))
+    assert aggressive.index("gc") < aggressive.index("resume:weights")
