@@ -1,0 +1,36 @@
+"""Built-in weight transports and their ``weight_transport`` hook implementation.
+
+The registry maps ``(kind, name)`` to a factory; the hook implementation is ``trylast`` so a
+third-party transport with the same name wins.
+"""
+
+from __future__ import annotations
+
+from verl_fastsync import hookimpl
+from verl_fastsync.transports.base import TransportFactory
+
+BUILTIN_TRANSPORTS: dict[tuple[str, str], TransportFactory] = {}
+
+
+@hookimpl(trylast=True)
+def weight_transport(name: str, kind: str, available: list[str]) -> TransportFactory | None:
+    available.extend(n for k, n in BUILTIN_TRANSPORTS if k == kind)
+    return BUILTIN_TRANSPORTS.get((kind, name))
+
+
+def _colocated_shm(**kwargs: object) -> object:
+    """``("colocated", "shm")``: persistent POSIX shared-memory slots (lazy import)."""
+    from verl_fastsync.colocated import make_shm_memory
+
+    return make_shm_memory(**kwargs)
+
+
+def _colocated_ipc(**kwargs: object) -> object:
+    """``("colocated", "ipc")``: persistent CUDA-IPC slots, exported once (lazy import)."""
+    from verl_fastsync.colocated import make_ipc_memory
+
+    return make_ipc_memory(**kwargs)
+
+
+BUILTIN_TRANSPORTS[("colocated", "shm")] = _colocated_shm
+BUILTIN_TRANSPORTS[("colocated", "ipc")] = _colocated_ipc
