@@ -237,13 +237,13 @@ def base_topology(
         )
     world = 1 + rollout_world_size
     bucket = [m.get("bucket_size") for m in metadata]
-    actor = {
+    actor: dict[str, list[Any]] = {
         "rank": [SENDER_RANK] + [-1] * (actor_world_size - 1),
         "world_size": [world] * actor_world_size,
         "role": ["trainer"] * actor_world_size,
         "bucket_size": bucket[:actor_world_size],
     }
-    rollout = {
+    rollout: dict[str, list[Any]] = {
         "rank": list(range(1, world)),
         "world_size": [world] * rollout_world_size,
         "role": ["rollout"] * rollout_world_size,
@@ -436,7 +436,8 @@ class BufferedTransport(EngineTransport):
                 if self.options.verify:
                     metas = [
                         msgspec.structs.replace(
-                            m, checksum=chunk_checksum(buffer[m.bucket_offset : m.bucket_offset + m.chunk_size])
+                            m,
+                            checksum=chunk_checksum(buffer[m.bucket_offset : m.bucket_offset + m.chunk_size]),
                         )
                         for m in metas
                     ]
@@ -444,7 +445,11 @@ class BufferedTransport(EngineTransport):
                 self._post_bucket(
                     slot,
                     BucketReady(
-                        sync_id=sync_id, bucket_index=bucket.index, slot=slot, nbytes=bucket.nbytes, chunks=metas
+                        sync_id=sync_id,
+                        bucket_index=bucket.index,
+                        slot=slot,
+                        nbytes=bucket.nbytes,
+                        chunks=metas,
                     ),
                 )
                 stats.buckets += 1
@@ -460,7 +465,10 @@ class BufferedTransport(EngineTransport):
             self.inflight.phase = "end"
             self._post_end(
                 SyncEnd(
-                    sync_id=sync_id, num_buckets=stats.buckets, num_tensors=stats.tensors, total_bytes=stats.bytes
+                    sync_id=sync_id,
+                    num_buckets=stats.buckets,
+                    num_tensors=stats.tensors,
+                    total_bytes=stats.bytes,
                 )
             )
         except BaseException as exc:
@@ -499,8 +507,12 @@ class BufferedTransport(EngineTransport):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastsync-{self.name}")
         loop = asyncio.get_running_loop()
-        assembler = Assembler(self.options.device, zero_copy=self.options.zero_copy, verify=self.options.verify)
-        stats = TransferStats(role="receiver", bucket_size=self.bucket_size, buffer_bytes=self._buffer_bytes())
+        assembler = Assembler(
+            self.options.device, zero_copy=self.options.zero_copy, verify=self.options.verify
+        )
+        stats = TransferStats(
+            role="receiver", bucket_size=self.bucket_size, buffer_bytes=self._buffer_bytes()
+        )
         self._stats = stats
         start = time.perf_counter()
         executor = self._executor

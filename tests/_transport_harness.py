@@ -1,0 +1,401 @@
+"""Multi-process harness driving engine transports the way verl's ``CheckpointEngineManager`` does:
+``prepare`` on every rank, ``build_topology`` on the class (here, in the parent = the "driver"),
+``init_process_group`` with each rank's kwargs, ``send`` on trainer rank 0 concurrently with
+``receive`` on every rollout rank, then ``finalize`` everywhere.
+
+Each rank is a real spawned process; every wait on a child has a timeout. Two modes:
+
+* ``mode="engine"``: the rank holds verl's registered ``fastsync`` checkpoint engine (needs verl).
+* ``mode="transport"``: the rank holds the bare transport (no verl import at all).
+
+Models are described by a spec (list of :class:`TensorSpec`) and rebuilt deterministically in
+each process, so the driver can compare digests (bytes, names, shapes, dtypes, order) without
+shipping tensors around. The harness uses multiprocessing pipes between the test and its workers:
+that is test plumbing, not the product's control channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    noncontig: bool = False
+
+
+def build_tensor(spec: TensorSpec, seed: int) -> Any:
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    shape = tuple(spec.shape)
+    if spec.noncontig and len(shape) >= 1:
+        base_shape = (*shape[:-1], 2 * shape[-1])
+    else:
+        base_shape = shape
+    numel = 1
+    for dim in base_shape:
+        numel *= dim
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = numel * dtype.itemsize
+    if dtype == torch.bool:
+        raw = torch.randint(0, 2, (numel,), generator=gen, dtype=torch.uint8)
+    else:
+        raw = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+    tensor = raw.view(dtype).reshape(base_shape)
+    if spec.noncontig and len(shape) >= 1:
+        tensor = tensor[..., ::2]
+    return tensor
+
+
+def iter_model(specs: list[TensorSpec], seed: int = 0) -> Any:
+    for i, spec in enumerate(specs):
+        yield spec.name, build_tensor(spec, seed * 100003 + i)
+
+
+def digest(name: str, tensor: Any) -> tuple[str, tuple[int, ...], str, str]:
+    from verl_fastsync.chunks import byte_view, dtype_to_str
+
+    data = byte_view(tensor)
+    sha = hashlib.sha256(data.numpy().tobytes() if data.numel() else b"").hexdigest()
+    return name, tuple(tensor.shape), dtype_to_str(tensor.dtype), sha
+
+
+def expected_digests(specs: list[TensorSpec], seed: int = 0) -> list[tuple[str, tuple[int, ...], str, str]]:
+    return [digest(n, t) for n, t in iter_model(specs, seed)]
+
+
+# ------------------------------------------------------------------------------------------
+# memory measurement: reset the kernel's RSS high-water mark, then read it back
+# ------------------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> int:
+    """Reset VmHWM (Linux ``clear_refs`` 5) and return current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+# ------------------------------------------------------------------------------------------
+# worker process
+# ------------------------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, mode: str, transport: str, ctor: dict[str, Any], role: str) -> None:
+        self.mode = mode
+        self.transport_name = transport
+        self.role = role
+        self.engine: Any = None
+        self.ctor = ctor
+
+    def new(self) -> None:
+        ctor = dict(self.ctor)
+        if self.mode == "engine":
+            from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+            from verl_fastsync.engine import register_engine
+
+            register_engine()
+            register_engine()  # idempotent
+            self.engine = CheckpointEngineRegistry.new("fastsync", transport=self.transport_name, **ctor)
+        else:
+            from verl_fastsync.plugins import plugin_manager, select_transport
+            from verl_fastsync.transports.base import TransportOptions
+
+            self.bucket = ctor.pop("bucket_size")
+            factory = select_transport(plugin_manager(), self.transport_name, "engine")
+            self.engine = factory(TransportOptions(**ctor))
+
+    def prepare(self) -> Any:
+        meta = self.engine.prepare()
+        if self.mode == "transport":
+            meta = dict(meta, bucket_size=self.bucket)
+        return meta
+
+    def init(self, kwargs: dict[str, Any]) -> None:
+        self.engine.init_process_group(**kwargs)
+        if self.mode == "transport":
+            self.bucket = kwargs.get("bucket_size", self.bucket)
+
+    def send(self, specs: list[TensorSpec], seed: int, extra: dict[str, Any]) -> dict[str, Any]:
+        model = list(iter_model(specs, seed))  # materialised before the baseline
+        weights: Any = iter(model)
+        if extra.get("async_gen"):
+
+            async def agen() -> Any:
+                for item in model:
+                    yield item
+
+            weights = agen()
+        base = reset_peak_rss()
+        t0 = time.perf_counter()
+        if self.mode == "engine":
+            metrics = asyncio.run(self.engine.send_weights(weights))
+        else:
+            from verl_fastsync.chunks import aplan_buckets
+
+            async def run() -> Any:
+                return await self.engine.send(aplan_buckets(weights, self.bucket))
+
+            metrics = asyncio.run(run()).as_metrics()
+        seconds = time.perf_counter() - t0
+        return {"metrics": metrics, "rss_delta": peak_rss() - base, "seconds": seconds}
+
+    def receive(self, extra: dict[str, Any]) -> dict[str, Any]:
+        base = reset_peak_rss()
+        digests: list[Any] = []
+        hold = extra.get("hold", False)
+
+        async def run() -> None:
+            gen = self.engine.receive_weights() if self.mode == "engine" else self.engine.receive()
+            async for name, tensor in gen:
+                if extra.get("die_after") is not None and len(digests) >= extra["die_after"]:
+                    os._exit(17)
+                if extra.get("hash", True):
+                    digests.append(digest(name, tensor))
+                else:
+                    digests.append((name,))
+                if hold:
+                    pass
+
+        t0 = time.perf_counter()
+        asyncio.run(run())
+        seconds = time.perf_counter() - t0
+        if self.mode == "engine":
+            metrics = dict(self.engine.last_metrics)
+        else:
+            stats = self.engine.last_stats
+            metrics = stats.as_metrics() if stats is not None else {}
+        return {"digests": digests, "metrics": metrics, "rss_delta": peak_rss() - base, "seconds": seconds}
+
+    def finalize(self) -> None:
+        self.engine.finalize()
+
+
+def _worker_main(conn: Connection, mode: str, transport: str, ctor: dict[str, Any], role: str) -> None:
+    sys.path.insert(0, ROOT)
+    worker = _Worker(mode, transport, ctor, role)
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            return
+        if cmd == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            if cmd == "exec":
+                namespace: dict[str, Any] = {"worker": worker}
+                exec(args, namespace)
+                result = namespace.get("result")
+            else:
+                result = getattr(worker, cmd)(*args)
+            conn.send(("ok", result))
+        except BaseException as exc:  # report to the driver
+            conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, rank: str, message: str, tb: str) -> None:
+        super().__init__(f"{rank}: {message}\n{tb}")
+        self.message = message
+
+
+class Cluster:
+    """Trainer ranks (index 0 is master) + rollout ranks, each a spawned process."""
+
+    def __init__(
+        self,
+        transport: str,
+        n_actor: int = 1,
+        n_rollout: int = 1,
+        mode: str = "engine",
+        ctor: dict[str, Any] | None = None,
+        rollout_ctor: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.transport = transport
+        self.mode = mode
+        self.timeout = timeout
+        self.n_actor, self.n_rollout = n_actor, n_rollout
+        ctx = mp.get_context("spawn")
+        ctor = dict(ctor or {})
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.labels: list[str] = []
+        for i in range(n_actor + n_rollout):
+            rank_ctor = dict(ctor)
+            if i < n_actor:
+                rank_ctor["is_master"] = i == 0
+                label = f"trainer{i}"
+            else:
+                rank_ctor.update(rollout_ctor or {})
+                label = f"rollout{i - n_actor}"
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(child, mode, transport, rank_ctor, "trainer" if i < n_actor else "rollout"),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+            self.labels.append(label)
+        self.call_all("new")
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def post(self, i: int, cmd: str, *args: Any) -> None:
+        self.conns[i].send((cmd, args))
+
+    def wait(self, i: int, timeout: float | None = None) -> Any:
+        conn = self.conns[i]
+        if not conn.poll(self.timeout if timeout is None else timeout):
+            raise TimeoutError(f"{self.labels[i]} gave no answer within {timeout or self.timeout}s")
+        try:
+            reply = conn.recv()
+        except EOFError as exc:
+            died = f"process died (exit code {self.procs[i].exitcode})"
+            raise WorkerError(self.labels[i], died, "") from exc
+        if reply[0] == "err":
+            raise WorkerError(self.labels[i], reply[1], reply[2])
+        return reply[1]
+
+    def wait_result(self, i: int, timeout: float | None = None) -> tuple[str, Any]:
+        """("ok", value) or ("err", message) without raising."""
+        try:
+            return "ok", self.wait(i, timeout)
+        except WorkerError as exc:
+            return "err", exc.message
+
+    def call_all(self, cmd: str, *args: Any) -> list[Any]:
+        for i in range(len(self.conns)):
+            self.post(i, cmd, *args)
+        return [self.wait(i) for i in range(len(self.conns))]
+
+    # -- verl's manager protocol ---------------------------------------------------------------
+
+    def build_process_group(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        metadata = self.call_all("prepare")
+        if self.mode == "engine":
+            from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+            from verl_fastsync.engine import register_engine
+
+            register_engine()
+            cls: Any = CheckpointEngineRegistry.get("fastsync")
+        else:
+            from verl_fastsync.plugins import plugin_manager, select_transport
+
+            cls = select_transport(plugin_manager(), self.transport, "engine")
+        actor_kw, rollout_kw = cls.build_topology(self.n_actor, self.n_rollout, metadata)
+        for key, values in actor_kw.items():
+            assert len(values) == self.n_actor, key
+        for key, values in rollout_kw.items():
+            assert len(values) == self.n_rollout, key
+        for i in range(self.n_actor + self.n_rollout):
+            src, j = (actor_kw, i) if i < self.n_actor else (rollout_kw, i - self.n_actor)
+            self.post(i, "init", {k: v[j] for k, v in src.items()})
+        for i in range(self.n_actor + self.n_rollout):
+            self.wait(i)
+        return actor_kw, rollout_kw
+
+    def sync(
+        self,
+        specs: list[TensorSpec],
+        seed: int = 0,
+        send_extra: dict[str, Any] | None = None,
+        recv_extra: dict[str, Any] | None = None,
+        finalize: bool = True,
+    ) -> dict[str, Any]:
+        """One full weight sync; returns sender + receiver results (raises on any rank's error)."""
+        self.build_process_group()
+        for i in range(self.n_actor):
+            self.post(i, "send", specs, seed, send_extra or {})
+        for i in range(self.n_actor, self.n_actor + self.n_rollout):
+            self.post(i, "receive", recv_extra or {})
+        results = [self.wait(i) for i in range(len(self.conns))]
+        if finalize:
+            self.call_all("finalize")
+        return {"senders": results[: self.n_actor], "receivers": results[self.n_actor :]}
+
+    def close(self) -> None:
+        for i, conn in enumerate(self.conns):
+            try:
+                if self.procs[i].is_alive():
+                    conn.send(("exit", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shm_segments() -> set[str]:
+    """Names of this transport's segments currently in /dev/shm."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("fastsync_")}
+    except FileNotFoundError:  # pragma: no cover
+        return set()
+
+
+def synthetic_model(
+    bucket: int, dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")
+) -> list[TensorSpec]:
+    """Small tensors mixed with tensors 1x-10x the bucket, 0-dim, 0-size and non-contiguous ones."""
+    specs: list[TensorSpec] = []
+    for layer, dtype in enumerate(dtypes):
+        import torch
+
+        item = getattr(torch, dtype).itemsize
+        specs += [
+            TensorSpec(f"l{layer}.bias", (7,), dtype),
+            TensorSpec(f"l{layer}.big1x", (max(1, bucket // item),), dtype),
+            TensorSpec(f"l{layer}.scalar", (), dtype),
+            TensorSpec(f"l{layer}.big3x", (3, max(1, bucket // item)), dtype),
+            TensorSpec(f"l{layer}.empty", (0, 4), dtype),
+            TensorSpec(f"l{layer}.t", (5, 33), dtype, noncontig=True),
+        ]
+    specs.append(TensorSpec("experts", (10, max(1, bucket // 4)), "float32"))
+    specs.append(TensorSpec("mask", (13,), "bool"))
+    return specs

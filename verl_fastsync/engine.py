@@ -1,0 +1,319 @@
+"""The ``fastsync`` verl checkpoint engine (trainer rank 0 -> every rollout rank, chunked, bounded
+memory). This is the only transport module that imports verl.
+
+Select it with::
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend=fastsync
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync.transport=shm   # gloo, nixl, nccl
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync.bucket_bytes=auto
+
+``engine_kwargs.fastsync`` keys (all optional):
+
+* ``transport`` (default ``"shm"``): an engine transport name from the ``weight_transport`` hook
+  (built-ins ``shm``, ``gloo``, ``nixl``, ``nccl``; third-party plugins add more).
+* ``bucket_bytes``: overrides verl's ``update_weights_bucket_megabytes``: a positive int (bytes),
+  a string with a unit (``"64MiB"``, ``"1GiB"``, ``"512KiB"``) or ``"auto"``. (It cannot be named
+  ``bucket_size``: verl already passes ``bucket_size=`` to the constructor.)
+  ``auto`` = :data:`AUTO_FRACTION` of the smallest free memory among the participating ranks
+  (trainer rank 0 and every rollout rank; device memory for device transports, host
+  ``MemAvailable`` for CPU ones), rounded down to a MiB and clamped to
+  [:data:`AUTO_FLOOR`, :data:`AUTO_CAP`]; when a rank has too little free memory for the floor, the
+  topology step fails naming that rank.
+* ``timeout_s`` (default 600): limit of every blocking wait; on expiry the error names the peer,
+  the phase, the bucket index and the tensor in flight.
+* ``verify`` (default false): xxhash checksum per chunk, checked by the receiver.
+* ``device``: where received tensors are allocated (default ``"cpu"``; the ``nccl`` transport always
+  receives on the current accelerator).
+* ``zero_copy`` (default true): whole tensors are yielded as views into the receive bucket, valid
+  until the consumer asks for the next tensor (verl's server adapters copy each tensor at once).
+* ``align_experts`` (default false): chunk boundaries of split tensors fall on dim-0 slices (MoE
+  experts) when one slice fits a bucket.
+
+``send_weights`` returns ``fastsync/transfer/*`` metrics (bytes, buckets, chunks, tensors, seconds,
+gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_metrics`` after
+``receive_weights`` ends.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+from typing import Any
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from verl_fastsync.chunks import aplan_buckets, leading_slice_bytes, validate_bucket_size
+from verl_fastsync.transports.base import (
+    DEFAULT_TIMEOUT_S,
+    EngineTransport,
+    EngineTransportFactory,
+    TransportError,
+    TransportOptions,
+)
+
+__all__ = [
+    "AUTO_CAP",
+    "AUTO_FLOOR",
+    "AUTO_FRACTION",
+    "ENGINE_NAME",
+    "FastsyncCheckpointEngine",
+    "free_memory_bytes",
+    "parse_bucket_bytes",
+    "register_engine",
+    "resolve_auto_bucket_size",
+]
+
+ENGINE_NAME = "fastsync"
+AUTO_FRACTION = 0.05
+"""``bucket_bytes=auto``: one bucket is this fraction of the smallest free memory (two per side)."""
+AUTO_FLOOR = 16 << 20
+"""``auto`` never goes below 16 MiB; a rank with less than ``AUTO_FLOOR / AUTO_FRACTION`` free fails."""
+AUTO_CAP = 1 << 30
+"""``auto`` never goes above 1 GiB."""
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+_KNOWN_KWARGS = ("transport", "bucket_bytes", "timeout_s", "verify", "device", "zero_copy", "align_experts")
+
+
+def parse_bucket_bytes(value: object, key: str = "engine_kwargs.fastsync.bucket_bytes") -> int | None:
+    """``None``/``"auto"`` -> ``None`` (auto); a positive int or ``"<n><unit>"`` -> bytes; else error."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(
+            f"{key}={value!r}: expected a positive number of bytes, a size like '64MiB', or 'auto'"
+        )
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{key}={value}: the bucket size must be > 0 bytes (or 'auto')")
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS:
+            size = int(match.group(1)) * _UNITS[match.group(2).lower()]
+            if size <= 0:
+                raise ValueError(f"{key}={value!r}: the bucket size must be > 0 bytes (or 'auto')")
+            return size
+    raise ValueError(
+        f"{key}={value!r}: not a bucket size; use a positive int (bytes), a size such as '64MiB' "
+        "(units B, KiB, MiB, GiB, KB, MB, GB) or 'auto'"
+    )
+
+
+def free_memory_bytes(device: str) -> int:
+    """Free memory where buckets live: the accelerator's free memory for a device, else host
+    ``MemAvailable``."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        from verl.utils.device import get_torch_device
+
+        free, _total = get_torch_device().mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def resolve_auto_bucket_size(free_bytes: list[tuple[str, int]]) -> int:
+    """The ``auto`` bucket size for ``[(rank label, free bytes), ...]`` (see module docstring)."""
+    if not free_bytes:
+        raise ValueError("bucket_bytes=auto: no participating rank reported its free memory")
+    label, smallest = min(free_bytes, key=lambda item: item[1])
+    size = int(smallest * AUTO_FRACTION) // (1 << 20) * (1 << 20)
+    if size < AUTO_FLOOR:
+        raise ValueError(
+            f"bucket_bytes=auto: {label} has only {smallest / 2**20:.0f} MiB free; auto needs at least "
+            f"{AUTO_FLOOR / AUTO_FRACTION / 2**20:.0f} MiB ({AUTO_FRACTION:.0%} of it per bucket, floor "
+            f"{AUTO_FLOOR >> 20} MiB); set an explicit bucket_bytes"
+        )
+    return min(size, AUTO_CAP)
+
+
+def _select_factory(name: str) -> EngineTransportFactory:
+    from verl_fastsync.plugins import plugin_manager, select_transport
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"engine_kwargs.fastsync.transport must be a non-empty string, got {name!r}")
+    factory: EngineTransportFactory = select_transport(  # type: ignore[assignment]
+        plugin_manager(), name, "engine", key="checkpoint_engine.engine_kwargs.fastsync.transport"
+    )
+    return factory
+
+
+async def _walk(weights: Iterable[Any] | AsyncIterable[Any]) -> None:
+    if isinstance(weights, AsyncIterable):
+        async for _ in weights:
+            pass
+    else:
+        for _ in weights:
+            pass
+
+
+class FastsyncCheckpointEngine(CheckpointEngine):
+    """verl checkpoint engine ``fastsync``: bucketed, chunked, double-buffered, pluggable transport.
+
+    Constructed by verl as ``new("fastsync", bucket_size=..., [is_master=...], **engine_kwargs["fastsync"])``.
+    """
+
+    # 0.9.0+ declares ``wire_format`` on the base class; harmless on 0.7.1/0.8.0.
+    wire_format = "named_tensors"
+
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        transport: str = "shm",
+        bucket_bytes: int | str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        verify: bool = False,
+        device: str = "cpu",
+        zero_copy: bool = True,
+        align_experts: bool = False,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise TypeError(
+                f"unknown engine_kwargs.fastsync key(s) {sorted(unknown)}; "
+                f"allowed: {', '.join(_KNOWN_KWARGS)}"
+            )
+        if bucket_bytes is None:
+            # verl's update_weights_bucket_megabytes << 20
+            if isinstance(bucket_size, str) or bucket_size is None:
+                raise ValueError(f"bucket_size={bucket_size!r}: expected a positive number of bytes")
+            explicit: int | None = parse_bucket_bytes(
+                bucket_size, "checkpoint_engine.update_weights_bucket_megabytes"
+            )
+        else:
+            explicit = parse_bucket_bytes(bucket_bytes)
+        self.bucket_size: int | None = None if explicit is None else validate_bucket_size(explicit)
+        self.is_master = bool(is_master)
+        self.transport_name = transport
+        self.factory = _select_factory(transport)
+        self.options = TransportOptions(
+            is_master=self.is_master,
+            timeout_s=timeout_s,
+            verify=bool(verify),
+            device=str(device),
+            zero_copy=zero_copy,
+        )
+        self.align_experts = bool(align_experts)
+        self.transport: EngineTransport = self.factory(self.options)
+        self.last_metrics: dict[str, float] = {}
+
+    # -- verl protocol -----------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        return {
+            "engine": ENGINE_NAME,
+            "transport": self.transport_name,
+            "is_master": self.is_master,
+            "bucket_size": self.bucket_size,
+            "free_bytes": free_memory_bytes(self.options.device) if self.bucket_size is None else None,
+            "transport_meta": self.transport.prepare(),
+        }
+
+    @classmethod
+    def build_topology(
+        cls, actor_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        if len(metadata) != actor_world_size + rollout_world_size or not metadata:
+            raise ValueError(
+                f"fastsync build_topology: {len(metadata)} metadata entries for {actor_world_size} actor + "
+                f"{rollout_world_size} rollout ranks"
+            )
+        if not metadata[0].get("is_master"):
+            raise TransportError("fastsync: actor rank 0 must be the master (is_master=True)")
+        names = {m.get("transport") for m in metadata}
+        if len(names) != 1:
+            raise ValueError(
+                f"fastsync: ranks disagree on engine_kwargs.fastsync.transport: {sorted(map(str, names))}"
+            )
+        participants = [metadata[0], *metadata[actor_world_size:]]
+        labels = ["trainer rank 0"] + [f"rollout rank {i}" for i in range(rollout_world_size)]
+        sizes = {m.get("bucket_size") for m in participants}
+        if len(sizes) != 1:
+            raise ValueError(f"fastsync: ranks disagree on the bucket size: {sorted(map(str, sizes))}")
+        size = sizes.pop()
+        if size is None:
+            size = resolve_auto_bucket_size(
+                [(label, int(m["free_bytes"])) for label, m in zip(labels, participants, strict=True)]
+            )
+        factory = _select_factory(str(names.pop()))
+        actor, rollout = factory.build_topology(
+            actor_world_size, rollout_world_size, [m["transport_meta"] for m in metadata]
+        )
+        actor["bucket_size"] = [size] * actor_world_size
+        rollout["bucket_size"] = [size] * rollout_world_size
+        return actor, rollout
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        self.transport.init_process_group(**kwargs)
+        size = kwargs.get("bucket_size")
+        if isinstance(size, int) and not isinstance(size, bool):
+            self.bucket_size_in_use = size
+
+    def finalize(self) -> None:
+        self.transport.finalize()
+
+    @torch.no_grad()
+    async def send_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        global_steps: int | None = None,
+    ) -> dict[str, float]:
+        rank = getattr(self.transport, "rank", 0)
+        if rank is not None and rank < 0:
+            # not part of the transfer group; producing each weight may be collective over the
+            # trainer group, so the generator is still walked
+            await _walk(weights)
+            return {}
+        size = getattr(self, "bucket_size_in_use", None) or self.bucket_size
+        if size is None:
+            raise TransportError("fastsync: send_weights before init_process_group (bucket size unknown)")
+        align = (lambda _name, tensor: leading_slice_bytes(tensor)) if self.align_experts else None
+        stats = await self.transport.send(aplan_buckets(weights, size, align=align))
+        self.last_metrics = stats.as_metrics()
+        return dict(self.last_metrics)
+
+    @torch.no_grad()
+    async def receive_weights(  # type: ignore[override]
+        self, global_steps: int | None = None
+    ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        async for item in self.transport.receive():
+            yield item
+        stats = self.transport.last_stats
+        if stats is not None:
+            self.last_metrics = stats.as_metrics()
+
+
+def register_engine() -> type[FastsyncCheckpointEngine]:
+    """Register ``fastsync`` in verl's ``CheckpointEngineRegistry`` (idempotent; never touches
+    other names such as verl's own ``nccl``/``nixl``)."""
+    registry = CheckpointEngineRegistry._registry
+    current = registry.get(ENGINE_NAME)
+    if current is FastsyncCheckpointEngine:
+        return FastsyncCheckpointEngine
+    if current is not None and getattr(current, "__qualname__", "") != FastsyncCheckpointEngine.__qualname__:
+        raise RuntimeError(
+            f"checkpoint engine name {ENGINE_NAME!r} is already taken by "
+            f"{current.__module__}.{current.__qualname__}"
+        )
+    CheckpointEngineRegistry.register(ENGINE_NAME)(FastsyncCheckpointEngine)
+    return FastsyncCheckpointEngine
