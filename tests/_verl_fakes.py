@@ -106,6 +106,7 @@ def install_recorders(monkeypatch: pytest.MonkeyPatch, events: Events, device: F
 
     monkeypatch.setattr(verl.utils.device, "get_torch_device", lambda: device)
     monkeypatch.setattr(verl.utils.memory_utils, "get_torch_device", lambda: device)
+
     def collect(*args: Any) -> int:
         events.append("gc")
         return _REAL_COLLECT(*args)

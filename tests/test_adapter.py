@@ -17,12 +17,12 @@ from _verl_fakes import (
     engine_worker,
     fastsync_overrides,
     install_recorders,
-    stub_gpu_only,
     legacy_fsdp_worker,
     run,
+    stub_gpu_only,
 )
 
-import verl_fastsync  # noqa: F401  (installs the plugin)
+import verl_fastsync
 from verl_fastsync import adapter, plugins
 from verl_fastsync.config import FastsyncConfigError
 
@@ -77,7 +77,9 @@ def test_disabled_makes_stock_calls(ew: Any, monkeypatch: pytest.MonkeyPatch, ov
     assert stock.before("resume:weights", "transfer") and stock.before("transfer", "resume:kv_cache")
 
 
-def test_light_no_gc_and_ordered(ew: Any, monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]) -> None:
+def test_light_no_gc_and_ordered(
+    ew: Any, monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]
+) -> None:
     events = sync(ew, monkeypatch, fastsync_overrides(enable=True))
     assert "gc" not in events
     pre = events[: events.index("resume:weights")]
@@ -128,7 +130,9 @@ def test_hooks_run_once_per_sync_and_metrics(ew: Any, monkeypatch: pytest.Monkey
             assert f"fastsync/{boundary}/{field}" in metrics
 
 
-def test_non_naive_path_untouched(ew: Any, monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]) -> None:
+def test_non_naive_path_untouched(
+    ew: Any, monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]
+) -> None:
     events = Events()
     install_recorders(monkeypatch, events, FakeDevice(events))
     config = compose_config(fastsync_overrides(enable=True))
@@ -157,7 +161,9 @@ def test_invalid_config_fails_at_worker_start(ew: Any) -> None:
 
 def test_typo_key_fails_at_worker_start(ew: Any) -> None:
     config = compose_config(["+actor_rollout_ref.rollout.custom.fastsync.enabel=true"])
-    with pytest.raises(FastsyncConfigError, match=r"fastsync\.enabel=True: unknown key; allowed keys: enable, "):
+    with pytest.raises(
+        FastsyncConfigError, match=r"fastsync\.enabel=True: unknown key; allowed keys: enable, "
+    ):
         ew.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
 
 
@@ -185,9 +191,7 @@ THIRD_PARTY = """
 """
 
 
-def test_third_party_entry_point_takes_over(
-    ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_third_party_entry_point_takes_over(ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _write_plugin(tmp_path, "fastsync_takeover", THIRD_PARTY)
     monkeypatch.syspath_prepend(str(tmp_path))
     events = sync(ew, monkeypatch, fastsync_overrides(enable=True))
@@ -197,7 +201,10 @@ def test_third_party_entry_point_takes_over(
     assert "empty_cache" in post
     # blocking it restores the built-in
     plugins.plugin_manager.cache_clear()
-    overrides = [*fastsync_overrides(enable=True), "+actor_rollout_ref.rollout.custom.fastsync.disabled_plugins=[fastsync_takeover]"]
+    overrides = [
+        *fastsync_overrides(enable=True),
+        "+actor_rollout_ref.rollout.custom.fastsync.disabled_plugins=[fastsync_takeover]",
+    ]
     events = sync(ew, monkeypatch, overrides)
     assert events[: events.index("resume:weights")] == ["empty_cache"]
 
@@ -216,14 +223,18 @@ def test_raising_plugin_is_named(ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_p
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     config = compose_config(fastsync_overrides(enable=True))
-    with pytest.raises(plugins.PluginHookError, match="plugin 'fastsync_broken' raised in hook post_transfer_cleanup"):
+    with pytest.raises(
+        plugins.PluginHookError, match="plugin 'fastsync_broken' raised in hook post_transfer_cleanup"
+    ):
         ew.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
 
 
 def test_legacy_fsdp_rollout_mode(monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]) -> None:
-    fsdp = importlib.import_module("verl.workers.fsdp_workers") if importlib.util.find_spec(
-        "verl.workers.fsdp_workers"
-    ) else None
+    fsdp = (
+        importlib.import_module("verl.workers.fsdp_workers")
+        if importlib.util.find_spec("verl.workers.fsdp_workers")
+        else None
+    )
     if fsdp is None or not hasattr(fsdp.ActorRolloutRefWorker, "rollout_mode"):
         pytest.skip(f"verl {verl_version} has no legacy rollout_mode (0.7.1 only)")
     assert getattr(fsdp.ActorRolloutRefWorker.rollout_mode, adapter._MARK)

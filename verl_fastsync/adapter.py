@@ -179,7 +179,11 @@ class WorkerState:
 def _rollout_config(worker_config: Any) -> Any:
     if worker_config is None:
         return None
-    return worker_config.get("rollout") if hasattr(worker_config, "get") else getattr(worker_config, "rollout", None)
+    return (
+        worker_config.get("rollout")
+        if hasattr(worker_config, "get")
+        else getattr(worker_config, "rollout", None)
+    )
 
 
 def _state_of(worker: Any) -> WorkerState:
@@ -187,7 +191,7 @@ def _state_of(worker: Any) -> WorkerState:
     if state is None:
         state = WorkerState(config_from_rollout(_rollout_config(getattr(worker, "config", None))))
         worker.__dict__[_STATE_ATTR] = state
-    return state  # type: ignore[no-any-return]
+    return state
 
 
 def last_sync_metrics(worker: Any) -> dict[str, float]:
@@ -242,7 +246,9 @@ class _SyncScope:
         return out
 
 
-_ACTIVE: contextvars.ContextVar[_SyncScope | None] = contextvars.ContextVar("verl_fastsync_sync", default=None)
+_ACTIVE: contextvars.ContextVar[_SyncScope | None] = contextvars.ContextVar(
+    "verl_fastsync_sync", default=None
+)
 
 
 class _RolloutProxy:
@@ -359,7 +365,9 @@ def _wrap_sync_method(cls: type, name: str, naive_only: bool) -> None:
         state = _state_of(self)
         if not state.config.enable or (naive_only and not _is_naive(self, args, kwargs)):
             return await original(self, *args, **kwargs)
-        return await _run_sync(self, state, lambda: original(self, *args, **kwargs), _global_step(args, kwargs))
+        return await _run_sync(
+            self, state, lambda: original(self, *args, **kwargs), _global_step(args, kwargs)
+        )
 
     setattr(wrapper, _MARK, True)
     setattr(cls, name, wrapper)

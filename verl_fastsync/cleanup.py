@@ -102,15 +102,16 @@ def light_post_transfer(ctx: CleanupContext) -> CleanupOutcome:
 
 def aggressive(ctx: CleanupContext) -> CleanupOutcome:
     collected = 0
-    attempt = 0
-    for attempt in range(1, AGGRESSIVE_MAX_ATTEMPTS + 1):
+    attempts = 0
+    while attempts < AGGRESSIVE_MAX_ATTEMPTS:
+        attempts += 1
         before = _reserved(ctx.device)
         collected += gc.collect()
         ctx.device.empty_cache()
         ctx.device.synchronize()
         if before - _reserved(ctx.device) < AGGRESSIVE_RETRY_FREED_BYTES:
             break
-    return CleanupOutcome(gc_ran=True, gc_collected=collected, attempts=attempt)
+    return CleanupOutcome(gc_ran=True, gc_collected=collected, attempts=attempts)
 
 
 def _adaptive(light: CleanupPolicy) -> CleanupPolicy:

@@ -101,7 +101,7 @@ def select_cleanup(
     result, available = _call_selection(pm, boundary, policy=policy)
     if result is None:
         raise _unknown("cleanup policy", key or f"custom.fastsync.{boundary}", policy, available)
-    return result  # type: ignore[no-any-return]
+    return result
 
 
 def available_cleanup_policies(pm: pluggy.PluginManager, boundary: str) -> list[str]:
@@ -119,7 +119,7 @@ def select_transport(
     result, available = _call_selection(pm, "weight_transport", name=name, kind=kind)
     if result is None:
         raise _unknown(f"{kind} transport", key or "transport", name, available)
-    return result  # type: ignore[no-any-return]
+    return result
 
 
 def available_transports(pm: pluggy.PluginManager, kind: str) -> list[str]:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# All set-up on a fresh machine, idempotent: .venv with torch 2.13.0 (the CPU build on local disk),
+# verl 0.9.1 with its dependencies, NIXL and cupy (import on CPU), this package (editable, test and
+# plot extras), and verl 0.7.1 / 0.8.0 / 0.9.0 under .verl-releases/ for the per-release test runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+DEPS_STAMP=.venv/.verl-fastsync-deps-v1
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+if [ ! -f "$DEPS_STAMP" ]; then
+    python -m pip install -q --upgrade pip
+    # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+    python -m pip install -q torch==2.13.0
+    python -m pip install -q verl==0.9.1 uvicorn fastapi pyzmq msgspec cachetools
+    python -m pip install -q nixl-cu12 cupy-cuda12x
+    python -m pip install -q --no-deps nixl
+    touch "$DEPS_STAMP"
+fi
+python -m pip install -q -e '.[test,plot]'
+for release in 0.7.1 0.8.0 0.9.0; do
+    if [ ! -d ".verl-releases/$release/verl" ]; then
+        python -m pip install -q --no-deps --target ".verl-releases/$release" "verl==$release"
+    fi
+done
+echo "verl-fastsync set-up done: $(python -c 'import verl_fastsync, verl; print("verl", verl.__version__)' 2>/dev/null | tail -n 1)"
