@@ -34,3 +34,17 @@ def _colocated_ipc(**kwargs: object) -> object:
 
 BUILTIN_TRANSPORTS[("colocated", "shm")] = _colocated_shm
 BUILTIN_TRANSPORTS[("colocated", "ipc")] = _colocated_ipc
+
+
+def _register_engine_transports() -> None:
+    """``("engine", name)``: the fastsync checkpoint engine's transports (classes load lazily)."""
+    from verl_fastsync.transports.base import LazyTransportClass
+
+    for name, target in (
+        ("shm", "verl_fastsync.transports.shm:ShmTransport"),
+        ("gloo", "verl_fastsync.transports.gloo:GlooTransport"),
+    ):
+        BUILTIN_TRANSPORTS[("engine", name)] = LazyTransportClass(name, target)
+
+
+_register_engine_transports()
