@@ -214,6 +214,9 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     flat = tensor.detach().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # 0/1-element tensors count as contiguous whatever their stride; give them a unit stride
+        flat = flat.as_strided((flat.numel(),), (1,))
     if flat.dtype == torch.uint8:
         return flat
     return flat.view(torch.uint8)
