@@ -84,7 +84,7 @@ class ModelSpec:
 
 
 def _round(x: float, multiple: int = 16) -> int:
-    return max(multiple, int(round(x / multiple)) * multiple)
+    return max(multiple, round(x / multiple) * multiple)
 
 
 def _dense_layout(hidden: int, dtype: str, layers: int = 8) -> list[TensorSpec]:
@@ -198,7 +198,8 @@ _BLOCK_ELEMS = 1 << 19  # 1 MiB of bf16
 def _torch_dtype(dtype: str) -> torch.dtype:
     import torch
 
-    return getattr(torch, dtype)  # type: ignore[no-any-return]
+    dt: torch.dtype = getattr(torch, dtype)
+    return dt
 
 
 def materialize(spec: ModelSpec, seed: int = 0, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:

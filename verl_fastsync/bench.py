@@ -1,0 +1,1457 @@
+"""``verl-fastsync bench``: cleanup policies, weight transports and scaling, side by side, in one run.
+
+Sections (each measured between real processes, medians of ``--repeats`` with min and max):
+
+``cleanup``
+    Every cleanup policy (``light``, ``adaptive``, ``aggressive`` = verl 0.9.0's
+    ``aggressive_empty_cache(force_sync=True)``) at both boundaries, run through
+    :func:`verl_fastsync.cleanup.run_boundary` in a child process that holds a trainer-like Python heap
+    (``--heap-objects`` GC-tracked objects in reference cycles, plus 1% of that as fresh unreachable
+    cycles before every call, the garbage a training step leaves behind). The device module is verl's
+    ``get_torch_device()`` when it works on this host, else torch's own accelerator module, else the
+    :class:`CpuDevice` stand-in (reported as ``device: cpu``): on CPU there is no caching allocator,
+    so the section measures what the policies cost in garbage collection.
+``transfer``
+    Every available transport moving a synthetic model (:mod:`verl_fastsync.models`) between two
+    processes, at every bucket size, next to the stock verl path for the same model: verl's
+    bucketed shared-memory sender/receiver (``impl: verl``, transport ``shm``) and verl's own NIXL
+    checkpoint engine; a row with ``status: failed`` and verl's error where verl cannot carry it.
+``scale``
+    Seconds against model bytes (several sizes) and against tensor count at equal bytes.
+
+The JSON schema is documented in ``docs/bench-schema.md``; :func:`validate_bench_json` checks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TextIO
+
+SCHEMA_VERSION = 1
+MIB = 1 << 20
+GIB = 1 << 30
+
+POLICIES = ("light", "adaptive", "aggressive")
+BOUNDARIES = ("pre_resume_cleanup", "post_transfer_cleanup")
+CPU_TRANSPORTS = ("shm", "gloo", "nixl")
+GPU_TRANSPORTS = ("nccl", "ipc")
+_MARK = "@@verl-fastsync-bench "
+
+
+class BenchSchemaError(ValueError):
+    """A bench JSON document that does not follow ``docs/bench-schema.md``."""
+
+
+class BenchOptionError(ValueError):
+    """A bench option with a value that cannot work."""
+
+
+# --------------------------------------------------------------------------------------------------
+# options
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    """What ``verl-fastsync bench`` runs (defaults: a full run in under 3 minutes on 2 CPU cores)."""
+
+    models: tuple[str, ...] = ("dense-small", "moe-small")
+    size_gib: float = 0.25
+    bucket_mib: tuple[int, ...] = (16, 64)
+    repeats: int = 3
+    heap_objects: int = 3_000_000
+    transports: tuple[str, ...] | None = None
+    """None: every transport this host can run."""
+    sections: tuple[str, ...] = ("cleanup", "transfer", "scale")
+    scale_sizes: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
+    """Model sizes of the scale section, as multiples of ``size_gib``."""
+    scale_pieces: tuple[int, ...] = (1, 4, 16)
+    """Tensor-count multipliers of the scale section (equal bytes)."""
+    seed: int = 0
+    timeout_s: float = 300.0
+    """Upper bound for every child process / transfer."""
+
+    def check(self) -> None:
+        from verl_fastsync.models import PRESETS
+
+        for m in self.models:
+            if m not in PRESETS:
+                raise BenchOptionError(f"--model {m!r}: unknown preset; allowed: {', '.join(PRESETS)}")
+        if not (self.size_gib > 0 and math.isfinite(self.size_gib)):
+            raise BenchOptionError(f"--size-gib {self.size_gib!r}: must be a positive number")
+        if not self.bucket_mib or any(b <= 0 for b in self.bucket_mib):
+            raise BenchOptionError(f"--bucket-mib {self.bucket_mib!r}: must be positive integers (MiB)")
+        if self.repeats < 1:
+            raise BenchOptionError(f"--repeats {self.repeats}: must be >= 1")
+        if self.heap_objects < 0:
+            raise BenchOptionError(f"--heap-objects {self.heap_objects}: must be >= 0")
+        allowed = ("cleanup", "transfer", "scale")
+        for s in self.sections:
+            if s not in allowed:
+                raise BenchOptionError(f"--sections {s!r}: unknown section; allowed: {', '.join(allowed)}")
+        if self.transports is not None:
+            known = CPU_TRANSPORTS + GPU_TRANSPORTS
+            for t in self.transports:
+                if t not in known:
+                    raise BenchOptionError(f"--transports {t!r}: unknown; allowed: {', '.join(known)}")
+        if any(p < 1 for p in self.scale_pieces) or any(s <= 0 for s in self.scale_sizes):
+            raise BenchOptionError("--scale-sizes and --scale-pieces must be positive")
+        if self.timeout_s <= 0:
+            raise BenchOptionError(f"--timeout {self.timeout_s}: must be positive")
+
+
+# --------------------------------------------------------------------------------------------------
+# progress
+
+
+class Progress:
+    """One-line progress display on stderr (a plain log line per step when stderr is not a TTY)."""
+
+    def __init__(self, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_len = 0
+
+    def __call__(self, message: str) -> None:
+        if not self.enabled:
+            return
+        line = f"[{time.monotonic() - self.start:6.1f}s] {message}"
+        if self._tty:
+            pad = max(0, self._last_len - len(line))
+            self.stream.write("\r" + line + " " * pad)
+            self._last_len = len(line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.enabled and self._tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# --------------------------------------------------------------------------------------------------
+# device adapter
+
+
+class CpuDevice:
+    """Stand-in for a torch device module on a host without an accelerator.
+
+    CPU tensors have no caching allocator: ``empty_cache`` has nothing to return and
+    ``memory_reserved``/``memory_allocated`` are 0. ``synchronize`` waits for torch's CPU stream.
+    There is deliberately no ``mem_get_info``: the ``adaptive`` policy then sees no device-memory
+    pressure and never collects garbage, which is what it would do on a host with room to spare.
+    """
+
+    name = "cpu"
+
+    def empty_cache(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cpu.synchronize()
+
+    def memory_reserved(self) -> int:
+        return 0
+
+    def memory_allocated(self) -> int:
+        return 0
+
+
+def bench_device(prefer_verl: bool = True) -> tuple[Any, str, str]:
+    """The device module the cleanup policies get, its name and where it came from.
+
+    Order: verl's ``get_torch_device()`` (what the workers use) when ``synchronize()`` and
+    ``empty_cache()`` work on it; else ``torch.cuda`` when CUDA is available; else :class:`CpuDevice`.
+    """
+    if prefer_verl:
+        try:
+            from verl.utils.device import get_device_name, get_torch_device
+
+            module = get_torch_device()
+            module.synchronize()
+            module.empty_cache()
+            return module, str(get_device_name()), "verl.utils.device.get_torch_device()"
+        except Exception:
+            pass
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda, "cuda", "torch.cuda"
+    return CpuDevice(), "cpu", "verl_fastsync.bench.CpuDevice (no accelerator)"
+
+
+# --------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _median_min_max(values: Sequence[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def _verl_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        import verl
+
+        return str(getattr(verl, "__version__", None) or version("verl"))
+    except Exception:
+        return None
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(_MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class _RssSampler:
+    """Peak resident set size above a baseline, sampled from /proc/self/statm every millisecond."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.baseline = self.rss()
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def extra(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+
+def measure_memcpy_gbps(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
+    """Host memcpy bandwidth (GB/s, 1e9 bytes/s) of ``torch.Tensor.copy_``, median of ``repeats``."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+# --------------------------------------------------------------------------------------------------
+# child processes (hidden sub-commands of `python -m verl_fastsync.bench`)
+
+
+class _Child:
+    """A child process speaking JSON lines (marked with ``_MARK``) on stdout, commands on stdin."""
+
+    def __init__(self, args: Sequence[str], timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "verl_fastsync.bench", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._name = " ".join(args)
+        self._lines: list[str] = []
+        self._cond = threading.Condition()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_MARK):
+                with self._cond:
+                    self._lines.append(line[len(_MARK) :])
+                    self._cond.notify_all()
+        with self._cond:
+            self._lines.append("")  # EOF marker
+            self._cond.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+            del self._stderr[:-40]
+
+    def stderr_tail(self) -> str:
+        return "".join(self._stderr[-8:]).strip()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout_s: float | None = None) -> dict[str, Any]:
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        with self._cond:
+            while not self._lines:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"child {self._name} gave no answer in {timeout_s or self.timeout_s:.0f} s"
+                    )
+                self._cond.wait(left)
+            line = self._lines.pop(0)
+        if not line:
+            self.proc.wait(timeout=5)
+            raise RuntimeError(
+                f"child {self._name} exited with {self.proc.returncode}: {self.stderr_tail()[-800:]}"
+            )
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.send({"op": "exit"})
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+class _Node:
+    __slots__ = ("payload", "peer")
+
+    def __init__(self, payload: int) -> None:
+        self.payload = payload
+        self.peer: Any = None
+
+
+def build_heap(objects: int) -> list[Any]:
+    """A trainer-like Python heap of about ``objects`` GC-tracked objects (node <-> list <-> dict cycles)."""
+    root: list[Any] = []
+    for i in range(objects // 3):
+        node = _Node(i)
+        record = {"node": node, "step": i}
+        node.peer = [record, i]
+        root.append(node)
+    return root
+
+
+def make_garbage(objects: int) -> None:
+    """Leave about ``objects`` unreachable objects in reference cycles (created with GC paused, so they
+    are still there when the policy runs, like the garbage a training step leaves behind)."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(objects // 3):
+            node = _Node(i)
+            node.peer = [{"node": node}, i]
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _cleanup_child(heap_objects: int, repeats: int, policies: Sequence[str], cached_mib: int) -> None:
+    import gc
+
+    from verl_fastsync import plugins
+    from verl_fastsync.cleanup import run_boundary
+    from verl_fastsync.config import FastsyncConfig
+
+    device, device_name, source = bench_device()
+    t0 = time.perf_counter()
+    heap = build_heap(heap_objects)
+    gc.collect()
+    _emit(
+        {
+            "event": "heap",
+            "objects": len(gc.get_objects()),
+            "seconds": time.perf_counter() - t0,
+            "device": device_name,
+            "device_source": source,
+        }
+    )
+    pm = plugins.get_plugin_manager()
+    config = FastsyncConfig()
+    garbage = max(3, heap_objects // 100)
+    for rep in range(repeats):
+        for boundary in BOUNDARIES:
+            for policy_name in policies:
+                try:
+                    policy = plugins.select_cleanup(pm, boundary, policy_name)
+                    if cached_mib and device_name != "cpu":
+                        # leave freed blocks in the caching allocator, as a finished training step does
+                        blocks = [device_tensor(device_name, MIB) for _ in range(cached_mib)]
+                        del blocks
+                    make_garbage(garbage)
+                    record = run_boundary(boundary, policy_name, policy, device, config)
+                    _emit({"event": "record", "repeat": rep, **dataclasses.asdict(record)})
+                except Exception as exc:
+                    _emit(
+                        {
+                            "event": "error",
+                            "repeat": rep,
+                            "boundary": boundary,
+                            "policy": policy_name,
+                            "error": f"{type(exc).__name__}: {exc}",
+                        }
+                    )
+    del heap
+    _emit({"event": "done"})
+
+
+def device_tensor(device_name: str, nbytes: int) -> Any:
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, device=device_name)
+
+
+# ---- stock verl transfer paths, run inside a worker process ------------------------------------
+
+
+def _load_verl_bucketed_module() -> Any:
+    """verl's vLLM-side bucketed sender/receiver module, loaded by file path and pointed at the CPU.
+
+    The ``vllm_rollout`` package ``__init__`` imports vLLM, so the module is loaded from its file;
+    its device helpers are replaced by the CPU stand-in (there is no accelerator and no CUDA IPC).
+    """
+    import verl
+
+    path = os.path.join(
+        os.path.dirname(verl.__file__), "workers/rollout/vllm_rollout/bucketed_weight_transfer.py"
+    )
+    if not os.path.exists(path):
+        raise RuntimeError(f"verl {_verl_version()} has no {path}")
+    spec = importlib.util.spec_from_file_location("_verl_fastsync_bench_bucketed", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    device = CpuDevice()
+    patches: dict[str, Any] = {
+        "get_torch_device": lambda: device,
+        "is_support_ipc": lambda: False,
+        "get_device_name": lambda: "cpu",
+        "get_device_id": lambda: 0,
+    }
+    for name, value in patches.items():
+        if hasattr(module, name):
+            setattr(module, name, value)
+    return module
+
+
+class _Worker:
+    """State of one transfer worker: cached models and the verl module."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._models: dict[tuple[str, float, int, int], list[tuple[str, Any]]] = {}
+        self._verl: Any = None
+
+    def model(self, trial: dict[str, Any]) -> list[tuple[str, Any]]:
+        from verl_fastsync.models import build_model, model_spec, split_spec
+
+        key = (trial["model"], trial["size_bytes"], trial["pieces"], trial["seed"])
+        if key not in self._models:
+            self._models.clear()
+            spec = model_spec(trial["model"], trial["size_bytes"])
+            if trial["pieces"] > 1:
+                spec = split_spec(spec, trial["pieces"])
+            tensors = build_model(spec, seed=trial["seed"])
+            if self.role == "receiver":  # the rollout's own weights: the destination, zeroed
+                for _, t in tensors:
+                    t.zero_()
+            self._models[key] = tensors
+        return self._models[key]
+
+    def prepare(self, trial: dict[str, Any]) -> list[tuple[str, Any]]:
+        """Everything before the timed part: the model and the transfer module."""
+        tensors = self.model(trial)
+        if trial["impl"] == "verl-shm":
+            if self._verl is None:
+                self._verl = _load_verl_bucketed_module()
+        elif trial["impl"] == "fastsync-colocated":
+            importlib.import_module("verl_fastsync.colocated")
+        else:
+            raise RuntimeError(f"unknown worker impl {trial['impl']!r}")
+        return tensors
+
+    def _endpoints(self, trial: dict[str, Any]) -> tuple[Any, Any]:
+        """(sender, receiver) factories of the trial's implementation."""
+        import torch
+
+        bucket_mib = trial["bucket_bytes"] // MIB
+        device_name = trial.get("device", "cpu")
+        device = torch.device(device_name)
+        if trial["impl"] == "verl-shm":
+            mod = self._verl
+            return (
+                lambda: mod.BucketedWeightSender(trial["zmq"], bucket_size_mb=bucket_mib, use_shm=True),
+                lambda: mod.BucketedWeightReceiver(trial["zmq"], device, use_shm=True),
+            )
+        from verl_fastsync import colocated
+
+        dev_module = CpuDevice() if device.type == "cpu" else None
+        use_shm = trial["transport"] == "shm"
+        return (
+            lambda: colocated.ColocatedSender(
+                trial["zmq"],
+                bucket_size_mb=bucket_mib,
+                use_shm=use_shm,
+                transport=trial["transport"],
+                timeout_s=trial["timeout_s"],
+                device_module=dev_module,
+            ),
+            lambda: colocated.ColocatedReceiver(
+                trial["zmq"],
+                device,
+                use_shm=use_shm,
+                timeout_s=trial["timeout_s"],
+                device_module=dev_module,
+            ),
+        )
+
+    def run(self, trial: dict[str, Any]) -> dict[str, Any]:
+        from verl_fastsync.models import fingerprint
+
+        tensors = self.prepare(trial)
+        make_sender, make_receiver = self._endpoints(trial)
+        with _RssSampler() as rss:
+            t_start = time.perf_counter()
+            if self.role == "sender":
+                asyncio.run(make_sender().async_send_weights(iter(tensors)))
+            else:
+                dest = dict(tensors)
+
+                def on_bucket(weights: list[tuple[str, Any]], is_last: bool = False) -> None:
+                    for name, w in weights:
+                        dest[name].copy_(w)
+
+                make_receiver().receive_weights(on_bucket)
+            t_end = time.perf_counter()
+        result: dict[str, Any] = {"t_start": t_start, "t_end": t_end, "peak_extra_bytes": rss.extra}
+        if trial.get("verify", True):
+            result["fingerprint"] = sum(fingerprint(t) for _, t in tensors)
+            if self.role == "receiver":  # reset the destination for the next repeat
+                for _, t in tensors:
+                    t.zero_()
+        return result
+
+
+def _worker_main(role: str) -> None:
+    worker = _Worker(role)
+    _emit({"event": "ready", "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "exit":
+            break
+        try:
+            if cmd.get("op") == "prepare":
+                worker.prepare(cmd["trial"])
+                _emit({"event": "prepared", "ok": True})
+                continue
+            _emit({"event": "result", "ok": True, **worker.run(cmd["trial"])})
+        except BaseException as exc:
+            _emit({"event": "result", "ok": False, "error": f"{type(exc).__name__}: {exc}".strip()})
+
+
+def _probe_verl_nixl(bucket_bytes: int) -> None:
+    """Construct verl's own NIXL checkpoint engine on CPU DRAM and prepare it; report what happens."""
+    try:
+        from verl.checkpoint_engine import nixl_checkpoint_engine as mod
+
+        engine = mod.NIXLCheckpointEngine(bucket_size=bucket_bytes, device="cpu")
+        engine.prepare()
+        _emit({"event": "probe", "ok": True})
+    except BaseException as exc:
+        _emit({"event": "probe", "ok": False, "error": f"{type(exc).__name__}: {exc}".strip()})
+
+
+# --------------------------------------------------------------------------------------------------
+# sections
+
+
+def run_cleanup_section(
+    opts: BenchOptions, progress: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Cleanup rows (one per boundary x policy, medians over repeats) and section info."""
+    progress(f"cleanup: building a {opts.heap_objects:,}-object heap in a child process")
+    child = _Child(
+        ["_cleanup-child", str(opts.heap_objects), str(opts.repeats), ",".join(POLICIES), "0"], opts.timeout_s
+    )
+    records: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    errors: dict[tuple[str, str], str] = {}
+    info: dict[str, Any] = {}
+    try:
+        while True:
+            msg = child.recv()
+            if msg["event"] == "heap":
+                info = {k: msg[k] for k in ("objects", "device", "device_source")}
+                info["heap_build_seconds"] = msg["seconds"]
+            elif msg["event"] == "record":
+                records.setdefault((msg["boundary"], msg["policy"]), []).append(msg)
+                progress(
+                    f"cleanup: {msg['policy']:<10} @ {msg['boundary']:<22} repeat {msg['repeat'] + 1}/"
+                    f"{opts.repeats}: {msg['seconds'] * 1000:.1f} ms"
+                )
+            elif msg["event"] == "error":
+                errors[(msg["boundary"], msg["policy"])] = msg["error"]
+            elif msg["event"] == "done":
+                break
+    except (TimeoutError, RuntimeError) as exc:
+        for b in BOUNDARIES:
+            for p in POLICIES:
+                errors.setdefault((b, p), str(exc))
+    finally:
+        child.kill()
+    rows = []
+    for boundary in BOUNDARIES:
+        for policy in POLICIES:
+            recs = records.get((boundary, policy), [])
+            row: dict[str, Any] = {
+                "boundary": boundary,
+                "policy": policy,
+                "device": info.get("device", "unknown"),
+                "heap_objects": info.get("objects"),
+                "repeats": len(recs),
+            }
+            if recs and (boundary, policy) not in errors:
+                med, lo, hi = _median_min_max([r["seconds"] for r in recs])
+                row.update(
+                    status="ok",
+                    error=None,
+                    seconds=med,
+                    seconds_min=lo,
+                    seconds_max=hi,
+                    gc_ran=any(r["gc_ran"] for r in recs),
+                    gc_collected=int(statistics.median(r["gc_collected"] for r in recs)),
+                    attempts=max(r["attempts"] for r in recs),
+                    reserved_freed_bytes=int(statistics.median(r["reserved_freed_bytes"] for r in recs)),
+                    allocated_freed_bytes=int(statistics.median(r["allocated_freed_bytes"] for r in recs)),
+                )
+            else:
+                row.update(
+                    status="failed",
+                    error=errors.get((boundary, policy), "no result"),
+                    seconds=None,
+                    seconds_min=None,
+                    seconds_max=None,
+                    gc_ran=None,
+                    gc_collected=None,
+                    attempts=None,
+                    reserved_freed_bytes=None,
+                    allocated_freed_bytes=None,
+                )
+            rows.append(row)
+    ratios: dict[str, float | None] = {}
+    for boundary in BOUNDARIES:
+        by = {r["policy"]: r for r in rows if r["boundary"] == boundary and r["status"] == "ok"}
+        light, aggr = by.get("light"), by.get("aggressive")
+        ratios[boundary] = (
+            (aggr["seconds"] / light["seconds"]) if light and aggr and light["seconds"] > 0 else None
+        )
+    info["aggressive_over_light"] = ratios
+    return rows, info
+
+
+@dataclasses.dataclass
+class _Trial:
+    transport: str
+    impl: str
+    kind: str
+    model: str
+    size_bytes: int
+    bucket_bytes: int
+    pieces: int = 1
+
+
+def _failed_row(trial: _Trial, error: str, **extra: Any) -> dict[str, Any]:
+    from verl_fastsync.models import model_spec, split_spec
+
+    spec = model_spec(trial.model, trial.size_bytes)
+    if trial.pieces > 1:
+        spec = split_spec(spec, trial.pieces)
+    row: dict[str, Any] = {
+        "transport": trial.transport,
+        "impl": "verl" if trial.impl.startswith("verl") else "fastsync",
+        "kind": trial.kind,
+        "model": trial.model,
+        "model_bytes": spec.nbytes,
+        "tensor_count": len(spec.tensors),
+        "largest_tensor_bytes": spec.largest_tensor_bytes,
+        "bucket_bytes": trial.bucket_bytes,
+        "status": "failed",
+        "error": error,
+        "repeats": 0,
+        "seconds": None,
+        "seconds_min": None,
+        "seconds_max": None,
+        "gbps": None,
+        "fraction_of_memcpy": None,
+        "peak_sender_bytes": None,
+        "peak_receiver_bytes": None,
+        "verified": None,
+    }
+    row.update(extra)
+    return row
+
+
+def _ok_row(
+    trial: _Trial,
+    seconds: list[float],
+    peaks_s: list[int],
+    peaks_r: list[int],
+    memcpy: float,
+    verified: bool | None,
+    **extra: Any,
+) -> dict[str, Any]:
+    row = _failed_row(trial, "")
+    med, lo, hi = _median_min_max(seconds)
+    gbps = row["model_bytes"] / med / 1e9 if med > 0 else None
+    row.update(
+        status="ok",
+        error=None,
+        repeats=len(seconds),
+        seconds=med,
+        seconds_min=lo,
+        seconds_max=hi,
+        gbps=gbps,
+        fraction_of_memcpy=(gbps / memcpy) if gbps and memcpy else None,
+        peak_sender_bytes=max(peaks_s) if peaks_s else None,
+        peak_receiver_bytes=max(peaks_r) if peaks_r else None,
+        verified=verified,
+    )
+    row.update(extra)
+    return row
+
+
+class _WorkerPair:
+    """A persistent sender and receiver process for the stock verl paths."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.sender: _Child | None = None
+        self.receiver: _Child | None = None
+
+    def _ensure(self) -> tuple[_Child, _Child]:
+        if self.sender is None or self.sender.proc.poll() is not None:
+            self.sender = _Child(["_worker", "sender"], self.timeout_s)
+            self.sender.recv()
+        if self.receiver is None or self.receiver.proc.poll() is not None:
+            self.receiver = _Child(["_worker", "receiver"], self.timeout_s)
+            self.receiver.recv()
+        return self.sender, self.receiver
+
+    def run(self, trial: _Trial, seed: int, zmq: str, device: str = "cpu") -> dict[str, Any]:
+        sender, receiver = self._ensure()
+        payload = dataclasses.asdict(trial) | {
+            "seed": seed,
+            "zmq": zmq,
+            "timeout_s": self.timeout_s,
+            "device": device,
+        }
+        for child in (receiver, sender):
+            child.send({"op": "prepare", "trial": payload})
+        for child in (receiver, sender):
+            ready = child.recv()
+            if not ready["ok"]:
+                return ready
+        receiver.send({"op": "run", "trial": payload})
+        sender.send({"op": "run", "trial": payload})
+        s = sender.recv()
+        if not s["ok"]:
+            # the receiver waits for buckets that will never come: replace it
+            receiver.kill()
+            self.receiver = None
+            return s
+        r = receiver.recv()
+        if not r["ok"]:
+            return r
+        return {
+            "ok": True,
+            "seconds": r["t_end"] - s["t_start"],
+            "peak_sender": s["peak_extra_bytes"],
+            "peak_receiver": r["peak_extra_bytes"],
+            "verified": s.get("fingerprint") == r.get("fingerprint"),
+        }
+
+    def close(self) -> None:
+        for child in (self.sender, self.receiver):
+            if child is not None:
+                child.close()
+
+
+_NOTES = {
+    "verl-shm": "verl BucketedWeightSender/Receiver(use_shm=True), CPU stand-in device",
+    "fastsync-colocated": "verl_fastsync.colocated ColocatedSender/Receiver",
+}
+
+
+def _run_pair_rows(
+    trials: Iterable[_Trial],
+    opts: BenchOptions,
+    memcpy: float,
+    progress: Callable[[str], None],
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """Rows for the colocated paths (verl's and fastsync's), run in a persistent process pair."""
+    rows = []
+    pair = _WorkerPair(opts.timeout_s)
+    try:
+        for trial in trials:
+            seconds: list[float] = []
+            ps: list[int] = []
+            pr: list[int] = []
+            verified = True
+            error = None
+            label = "verl" if trial.impl.startswith("verl") else "fastsync"
+            # one socket path per trial, reused by its repeats (as a trainer reuses it every sync)
+            zmq = f"ipc://{tempfile.gettempdir()}/verl-fastsync-bench-{uuid.uuid4().hex[:12]}.sock"
+            for rep in range(opts.repeats):
+                progress(
+                    f"transfer: {label} {trial.kind} {trial.transport} {trial.model} "
+                    f"{trial.size_bytes / MIB:.0f} MiB x{trial.pieces}, "
+                    f"bucket {trial.bucket_bytes // MIB} MiB, "
+                    f"repeat {rep + 1}/{opts.repeats}"
+                )
+                try:
+                    res = pair.run(trial, opts.seed, zmq, device)
+                except (TimeoutError, RuntimeError) as exc:
+                    pair.close()
+                    pair = _WorkerPair(opts.timeout_s)
+                    res = {"ok": False, "error": str(exc)}
+                if not res["ok"]:
+                    error = f"{label}: {res['error']}"
+                    break  # failures here are deterministic (e.g. verl: a tensor larger than the bucket)
+                seconds.append(res["seconds"])
+                ps.append(res["peak_sender"])
+                pr.append(res["peak_receiver"])
+                verified = verified and res["verified"]
+            note = _NOTES.get(trial.impl, trial.impl)
+            if error is not None:
+                rows.append(_failed_row(trial, error, note=note))
+            elif not verified:
+                rows.append(_failed_row(trial, "received bytes differ from the sent model", note=note))
+            else:
+                rows.append(_ok_row(trial, seconds, ps, pr, memcpy, verified, note=note))
+    finally:
+        pair.close()
+    return rows
+
+
+def _verl_nixl_rows(trials: Iterable[_Trial], opts: BenchOptions) -> list[dict[str, Any]]:
+    """verl's own NIXL checkpoint engine: prepared once on CPU DRAM; its error becomes the row."""
+    trials = list(trials)
+    if not trials:
+        return []
+    child = _Child(["_probe-verl-nixl", str(trials[0].bucket_bytes)], opts.timeout_s)
+    try:
+        msg = child.recv()
+    except (TimeoutError, RuntimeError) as exc:
+        msg = {"ok": False, "error": str(exc)}
+    finally:
+        child.kill()
+    note = "verl NIXLCheckpointEngine(device='cpu')"
+    if msg.get("ok"):
+        error = (
+            "not available: verl's NIXL engine prepares on this host, but it needs a Ray actor "
+            "topology the bench does not build"
+        )
+    else:
+        error = f"verl: {msg.get('error')}"
+    return [_failed_row(t, error, note=note) for t in trials]
+
+
+def _available_fastsync(kind: str) -> list[str]:
+    try:
+        from verl_fastsync import plugins
+
+        return plugins.available_transports(plugins.get_plugin_manager(), kind)
+    except Exception:
+        return []
+
+
+def _fastsync_engine_rows(
+    trials: list[_Trial], opts: BenchOptions, memcpy: float, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """fastsync engine transports through the transports' own two-process harness
+    (``verl_fastsync.transports.bench_support.run_engine_transfer``), when it exists."""
+    rows = []
+    fn: Callable[..., Any] | None = None
+    missing = ""
+    try:
+        mod = importlib.import_module("verl_fastsync.transports.bench_support")
+        fn = getattr(mod, "run_engine_transfer", None)
+        if fn is None:
+            missing = "verl_fastsync.transports.bench_support has no run_engine_transfer"
+    except Exception as exc:
+        missing = f"verl_fastsync.transports.bench_support: {type(exc).__name__}: {exc}"
+    for trial in trials:
+        if fn is None:
+            rows.append(_failed_row(trial, f"not available: {missing}"))
+            continue
+        progress(
+            f"transfer: fastsync engine {trial.transport} {trial.model} {trial.size_bytes / MIB:.0f} MiB "
+            f"x{trial.pieces}, bucket {trial.bucket_bytes // MIB} MiB"
+        )
+        rows.append(_call_fastsync(fn, trial, opts, memcpy))
+    return rows
+
+
+def _run_rows(
+    trials: list[_Trial], opts: BenchOptions, memcpy: float, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Run trials with the harness of their implementation (one process pair for all colocated
+    trials, so models are built once); rows come back in the order of ``trials``."""
+    import torch
+
+    groups: dict[str, list[tuple[int, _Trial]]] = {}
+    for i, trial in enumerate(trials):
+        if trial.impl == "fastsync-engine":
+            key = "engine"
+        elif trial.impl == "verl-nixl":
+            key = "verl-nixl"
+        elif trial.impl == "fastsync-colocated" and trial.transport == "ipc":
+            key = "pair-device"
+        else:
+            key = "pair-cpu"
+        groups.setdefault(key, []).append((i, trial))
+    results: list[dict[str, Any] | None] = [None] * len(trials)
+    for key, items in groups.items():
+        batch = [t for _, t in items]
+        if key == "engine":
+            rows = _fastsync_engine_rows(batch, opts, memcpy, progress)
+        elif key == "verl-nixl":
+            progress("transfer: verl nixl (preparing verl's NIXL checkpoint engine on this host)")
+            rows = _verl_nixl_rows(batch, opts)
+        else:
+            device = "cuda" if key == "pair-device" and torch.cuda.is_available() else "cpu"
+            rows = _run_pair_rows(batch, opts, memcpy, progress, device)
+        for (i, _), row in zip(items, rows, strict=True):
+            results[i] = row
+    return [r for r in results if r is not None]
+
+
+def _call_fastsync(
+    runner: Callable[..., Any], trial: _Trial, opts: BenchOptions, memcpy: float
+) -> dict[str, Any]:
+    """Call a transports harness and turn what it reports into a transfer row."""
+    from verl_fastsync.models import model_spec, split_spec
+
+    spec = model_spec(trial.model, trial.size_bytes)
+    if trial.pieces > 1:
+        spec = split_spec(spec, trial.pieces)
+    offered: dict[str, Any] = {
+        "transport": trial.transport,
+        "name": trial.transport,
+        "kind": trial.kind,
+        "spec": spec,
+        "model_spec": spec,
+        "model": spec,
+        "bucket_size": trial.bucket_bytes,
+        "bucket_bytes": trial.bucket_bytes,
+        "repeats": opts.repeats,
+        "seed": opts.seed,
+        "timeout_s": opts.timeout_s,
+        "timeout": opts.timeout_s,
+    }
+    try:
+        params = inspect.signature(runner).parameters
+        kwargs = {k: v for k, v in offered.items() if k in params}
+        result = runner(**kwargs)
+    except Exception as exc:
+        return _failed_row(trial, f"{type(exc).__name__}: {exc}")
+    return _row_from_result(trial, result, memcpy)
+
+
+def _get(result: Any, *names: str) -> Any:
+    for name in names:
+        if isinstance(result, dict) and name in result:
+            return result[name]
+        if hasattr(result, name):
+            return getattr(result, name)
+    return None
+
+
+def _row_from_result(trial: _Trial, result: Any, memcpy: float) -> dict[str, Any]:
+    error = _get(result, "error")
+    status = _get(result, "status")
+    if error or status == "failed":
+        return _failed_row(trial, str(error or "failed"))
+    seconds = _get(result, "seconds_list", "all_seconds", "repeat_seconds", "times")
+    if seconds is None:
+        one = _get(result, "seconds", "wall_seconds", "elapsed_s")
+        seconds = [one] if one is not None else None
+    if not seconds:
+        return _failed_row(trial, f"the harness reported no seconds: {result!r}"[:300])
+    ps = _get(result, "peak_sender_bytes", "sender_peak_bytes")
+    pr = _get(result, "peak_receiver_bytes", "receiver_peak_bytes")
+    verified = _get(result, "verified")
+    return _ok_row(
+        trial,
+        [float(s) for s in seconds],
+        [int(ps)] if ps is not None else [],
+        [int(pr)] if pr is not None else [],
+        memcpy,
+        bool(verified) if verified is not None else None,
+    )
+
+
+def _transport_plan(opts: BenchOptions) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+    """(transport, impl, kind) triples to run and, for requested transports that cannot run, why."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    wanted = opts.transports or (CPU_TRANSPORTS + (GPU_TRANSPORTS if has_cuda else ()))
+    engine = set(_available_fastsync("engine"))
+    colocated = set(_available_fastsync("colocated"))
+    plan: list[tuple[str, str, str]] = []
+    skipped: dict[str, str] = {}
+    for name in wanted:
+        if name in GPU_TRANSPORTS and not has_cuda:
+            skipped[name] = "not available: needs CUDA (torch.cuda.is_available() is False)"
+            continue
+        if name in colocated:
+            plan.append((name, "fastsync-colocated", "colocated"))
+        if name in engine or (name not in colocated and name != "ipc"):
+            # an engine transport that is not registered still gets its row (failed, with why)
+            plan.append((name, "fastsync-engine", "engine"))
+        if name == "ipc" and name not in colocated:
+            plan.append((name, "fastsync-colocated", "colocated"))
+        if name == "shm":
+            plan.append((name, "verl-shm", "colocated"))
+        if name == "nixl":
+            plan.append((name, "verl-nixl", "engine"))
+    return plan, skipped
+
+
+def run_transfer_section(
+    opts: BenchOptions, memcpy: float, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    size = int(opts.size_gib * GIB)
+    plan, skipped = _transport_plan(opts)
+    colocated = set(_available_fastsync("colocated"))
+    trials: list[_Trial] = []
+    rows: list[dict[str, Any]] = []
+    for model in opts.models:
+        for b in opts.bucket_mib:
+            for transport, impl, kind in plan:
+                trial = _Trial(transport, impl, kind, model, size, b * MIB)
+                if impl == "fastsync-colocated" and transport not in colocated:
+                    rows.append(
+                        _failed_row(
+                            trial, f"not available: no colocated transport {transport!r} is registered"
+                        )
+                    )
+                    continue
+                trials.append(trial)
+    rows = _run_rows(trials, opts, memcpy, progress) + rows
+    for name, why in skipped.items():
+        for model in opts.models:
+            for b in opts.bucket_mib:
+                kind = "colocated" if name == "ipc" else "engine"
+                rows.append(_failed_row(_Trial(name, "fastsync-" + kind, kind, model, size, b * MIB), why))
+    return rows
+
+
+def run_scale_section(
+    opts: BenchOptions, memcpy: float, progress: Callable[[str], None], transfer_rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Seconds against model bytes and against tensor count (equal bytes), for the fastest working
+    fastsync transport and the stock verl shm path next to it, with the first preset and the largest
+    bucket."""
+    model = opts.models[0]
+    bucket = max(opts.bucket_mib) * MIB
+    size = int(opts.size_gib * GIB)
+    ok = [
+        r
+        for r in transfer_rows
+        if r["status"] == "ok" and r["model"] == model and r["bucket_bytes"] == bucket
+    ]
+    fast = [r for r in ok if r["impl"] == "fastsync"]
+    picks: list[tuple[str, str, str]] = []
+    if fast:
+        best = min(fast, key=lambda r: r["seconds"])
+        picks.append((best["transport"], "fastsync-" + best["kind"], best["kind"]))
+    if any(r["impl"] == "verl" and r["transport"] == "shm" for r in ok) or not picks:
+        picks.append(("shm", "verl-shm", "colocated"))
+    trials: list[_Trial] = []
+    axes: list[str] = []
+    for transport, impl, kind in picks:
+        for f in opts.scale_sizes:
+            trials.append(_Trial(transport, impl, kind, model, int(size * f), bucket))
+            axes.append("model_bytes")
+        for p in opts.scale_pieces:
+            trials.append(_Trial(transport, impl, kind, model, size, bucket, pieces=p))
+            axes.append("tensor_count")
+    rows = _run_rows(trials, opts, memcpy, progress)
+    return [{"axis": axis, **row} for axis, row in zip(axes, rows, strict=True)]
+
+
+# --------------------------------------------------------------------------------------------------
+# orchestration
+
+
+def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the requested sections and return the JSON document (see docs/bench-schema.md)."""
+    opts.check()
+    progress = progress or (lambda _m: None)
+    import torch
+
+    started = time.time()
+    t0 = time.monotonic()
+    progress("measuring memcpy bandwidth")
+    memcpy = measure_memcpy_gbps()
+    result: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "verl_version": _verl_version(),
+        "verl_fastsync_version": importlib.import_module("verl_fastsync").__version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "host": {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "machine": platform.machine()},
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(opts).items()},
+        "memcpy_gbps": memcpy,
+        "cleanup": [],
+        "cleanup_info": {},
+        "transfer": [],
+        "scale": [],
+    }
+    if "cleanup" in opts.sections:
+        result["cleanup"], result["cleanup_info"] = run_cleanup_section(opts, progress)
+    if "transfer" in opts.sections:
+        result["transfer"] = run_transfer_section(opts, memcpy, progress)
+    if "scale" in opts.sections:
+        result["scale"] = run_scale_section(opts, memcpy, progress, result["transfer"])
+    result["wall_seconds"] = time.monotonic() - t0
+    validate_bench_json(result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# schema
+
+
+_CLEANUP_FIELDS: dict[str, tuple[type, ...]] = {
+    "boundary": (str,),
+    "policy": (str,),
+    "status": (str,),
+    "seconds": (float, int, type(None)),
+    "gc_ran": (bool, type(None)),
+}
+_TRANSFER_FIELDS: dict[str, tuple[type, ...]] = {
+    "transport": (str,),
+    "impl": (str,),
+    "model": (str,),
+    "model_bytes": (int,),
+    "bucket_bytes": (int,),
+    "status": (str,),
+    "error": (str, type(None)),
+    "seconds": (float, int, type(None)),
+    "gbps": (float, int, type(None)),
+    "fraction_of_memcpy": (float, int, type(None)),
+    "peak_sender_bytes": (int, type(None)),
+    "peak_receiver_bytes": (int, type(None)),
+}
+_SCALE_FIELDS: dict[str, tuple[type, ...]] = {
+    "axis": (str,),
+    **_TRANSFER_FIELDS,
+    "tensor_count": (int,),
+}
+
+
+def _check_row(section: str, i: int, row: Any, fields: dict[str, tuple[type, ...]]) -> None:
+    where = f"{section}[{i}]"
+    if not isinstance(row, dict):
+        raise BenchSchemaError(f"{where} must be an object, got {type(row).__name__}")
+    for key, types in fields.items():
+        if key not in row:
+            raise BenchSchemaError(f"{where} lacks required key {key!r}")
+        value = row[key]
+        if isinstance(value, bool) and bool not in types:
+            raise BenchSchemaError(f"{where}.{key}={value!r} must be {'/'.join(t.__name__ for t in types)}")
+        if not isinstance(value, types):
+            raise BenchSchemaError(f"{where}.{key}={value!r} must be {'/'.join(t.__name__ for t in types)}")
+    if row["status"] not in ("ok", "failed"):
+        raise BenchSchemaError(f"{where}.status={row['status']!r}; allowed: ok, failed")
+    if row["status"] == "ok" and row["seconds"] is None:
+        raise BenchSchemaError(f"{where}: status ok needs seconds")
+    if row["status"] == "failed" and not row.get("error"):
+        raise BenchSchemaError(f"{where}: status failed needs an error message")
+    if "impl" in fields and row["impl"] not in ("fastsync", "verl"):
+        raise BenchSchemaError(f"{where}.impl={row['impl']!r}; allowed: fastsync, verl")
+    if "boundary" in fields and row["boundary"] not in BOUNDARIES:
+        raise BenchSchemaError(f"{where}.boundary={row['boundary']!r}; allowed: {', '.join(BOUNDARIES)}")
+    if "axis" in fields and row["axis"] not in ("model_bytes", "tensor_count"):
+        raise BenchSchemaError(f"{where}.axis={row['axis']!r}; allowed: model_bytes, tensor_count")
+
+
+def validate_bench_json(obj: Any) -> None:
+    """Raise :class:`BenchSchemaError` unless ``obj`` follows the bench schema (docs/bench-schema.md)."""
+    if not isinstance(obj, dict):
+        raise BenchSchemaError(f"the document must be an object, got {type(obj).__name__}")
+    version = obj.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BenchSchemaError(f"schema_version={version!r} must be an int")
+    if version != SCHEMA_VERSION:
+        raise BenchSchemaError(f"schema_version={version}; this validator reads {SCHEMA_VERSION}")
+    if "verl_version" not in obj or not isinstance(obj["verl_version"], (str, type(None))):
+        raise BenchSchemaError("verl_version must be present (a string, or null without verl)")
+    memcpy = obj.get("memcpy_gbps")
+    if not isinstance(memcpy, (int, float)) or isinstance(memcpy, bool) or not memcpy > 0:
+        raise BenchSchemaError(f"memcpy_gbps={memcpy!r} must be a positive number")
+    for section, fields in (
+        ("cleanup", _CLEANUP_FIELDS),
+        ("transfer", _TRANSFER_FIELDS),
+        ("scale", _SCALE_FIELDS),
+    ):
+        rows = obj.get(section)
+        if not isinstance(rows, list):
+            raise BenchSchemaError(f"{section} must be a list, got {type(rows).__name__}")
+        for i, row in enumerate(rows):
+            _check_row(section, i, row, fields)
+
+
+# --------------------------------------------------------------------------------------------------
+# output
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n >= GIB:
+        return f"{n / GIB:.2f}G"
+    return f"{n / MIB:.1f}M"
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def _short(error: str | None, width: int = 70) -> str:
+    if not error:
+        return ""
+    error = " ".join(error.split())
+    return error if len(error) <= width else error[: width - 3] + "..."
+
+
+def render_table(result: dict[str, Any]) -> str:
+    """The human-readable summary printed at the end of a run."""
+    parts = [
+        f"verl-fastsync bench  (verl {result.get('verl_version')}, torch {result.get('torch_version')}, "
+        f"{result['host']['cpus']} CPUs, cuda={result['host']['cuda']})",
+        f"memcpy: {result['memcpy_gbps']:.2f} GB/s",
+    ]
+    if result["cleanup"]:
+        info = result.get("cleanup_info", {})
+        parts.append(
+            f"\nCLEANUP  (device {info.get('device')}, heap {info.get('objects', 0):,} GC objects, "
+            f"median of {result['options']['repeats']})"
+        )
+        rows = []
+        for r in result["cleanup"]:
+            if r["status"] == "ok":
+                rows.append(
+                    [
+                        r["boundary"],
+                        r["policy"],
+                        f"{r['seconds'] * 1000:.1f}",
+                        f"{r['seconds_min'] * 1000:.1f}-{r['seconds_max'] * 1000:.1f}",
+                        str(r["gc_ran"]),
+                        str(r["gc_collected"]),
+                        _fmt_bytes(r["reserved_freed_bytes"]),
+                        "",
+                    ]
+                )
+            else:
+                rows.append([r["boundary"], r["policy"], "-", "-", "-", "-", "-", _short(r["error"])])
+        parts.append(
+            _table(["boundary", "policy", "ms", "min-max", "gc_ran", "collected", "freed", "error"], rows)
+        )
+        ratios = info.get("aggressive_over_light", {})
+        parts.append(
+            "aggressive/light seconds: "
+            + ", ".join(f"{b}: {'-' if v is None else f'{v:.1f}x'}" for b, v in ratios.items())
+        )
+    for section in ("transfer", "scale"):
+        if not result[section]:
+            continue
+        parts.append(
+            f"\n{section.upper()}  (median of {result['options']['repeats']}; peaks = RSS above start)"
+        )
+        rows = []
+        for r in result[section]:
+            head = [r["axis"]] if section == "scale" else []
+            if r["status"] == "ok":
+                rows.append(
+                    [
+                        *head,
+                        r["transport"],
+                        r["impl"],
+                        r["kind"],
+                        r["model"],
+                        _fmt_bytes(r["model_bytes"]),
+                        str(r["tensor_count"]),
+                        _fmt_bytes(r["bucket_bytes"]),
+                        _fmt_s(r["seconds"]),
+                        f"{_fmt_s(r['seconds_min'])}-{_fmt_s(r['seconds_max'])}",
+                        f"{r['gbps']:.2f}",
+                        f"{r['fraction_of_memcpy']:.2f}" if r["fraction_of_memcpy"] is not None else "-",
+                        _fmt_bytes(r["peak_sender_bytes"]),
+                        _fmt_bytes(r["peak_receiver_bytes"]),
+                        "ok",
+                    ]
+                )
+            else:
+                rows.append(
+                    [
+                        *head,
+                        r["transport"],
+                        r["impl"],
+                        r["kind"],
+                        r["model"],
+                        _fmt_bytes(r["model_bytes"]),
+                        str(r["tensor_count"]),
+                        _fmt_bytes(r["bucket_bytes"]),
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "FAILED: " + _short(r["error"]),
+                    ]
+                )
+        headers = [
+            "transport",
+            "impl",
+            "kind",
+            "model",
+            "bytes",
+            "tensors",
+            "bucket",
+            "s",
+            "min-max",
+            "GB/s",
+            "of memcpy",
+            "peak send",
+            "peak recv",
+            "status",
+        ]
+        parts.append(_table((["axis"] if section == "scale" else []) + headers, rows))
+    if "wall_seconds" in result:
+        parts.append(f"\nwall time: {result['wall_seconds']:.1f} s")
+    return "\n".join(parts)
+
+
+def write_plot(result: dict[str, Any], path: str) -> None:
+    """GB/s and peak memory against bucket size, one line per (transport, impl, model)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--plot needs matplotlib ({exc}); install it with `pip install verl-fastsync[plot]` "
+            "or `pip install matplotlib`"
+        ) from exc
+    series: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in result["transfer"]:
+        if r["status"] == "ok":
+            series.setdefault((r["transport"], r["impl"], r["model"]), []).append(r)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (transport, impl, model), rows in sorted(series.items()):
+        rows.sort(key=lambda r: r["bucket_bytes"])
+        x = [r["bucket_bytes"] / MIB for r in rows]
+        label = f"{impl} {transport} ({model})"
+        ax1.plot(x, [r["gbps"] for r in rows], marker="o", label=label)
+        peak = [max(r["peak_sender_bytes"] or 0, r["peak_receiver_bytes"] or 0) / MIB for r in rows]
+        ax2.plot(x, peak, marker="o", label=label)
+    for ax, ylabel in ((ax1, "GB/s"), (ax2, "peak extra MiB (max of sender, receiver)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bucket size (MiB)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax1.axhline(result["memcpy_gbps"], color="grey", linestyle="--", label="memcpy")
+    ax1.legend(fontsize=7)
+    fig.suptitle(f"verl-fastsync bench (verl {result.get('verl_version')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main_child(argv: Sequence[str]) -> int:
+    """Hidden sub-commands used by the bench's own child processes."""
+    cmd, *rest = argv
+    if cmd == "_cleanup-child":
+        heap, repeats, policies, cached = rest
+        _cleanup_child(int(heap), int(repeats), policies.split(","), int(cached))
+    elif cmd == "_worker":
+        _worker_main(rest[0])
+    elif cmd == "_probe-verl-nixl":
+        _probe_verl_nixl(int(rest[0]))
+    else:
+        raise SystemExit(f"unknown bench child command {cmd!r}")
+    return 0
+
+
+def iter_rows(result: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every row of every section (for summaries)."""
+    for section in ("cleanup", "transfer", "scale"):
+        yield from result.get(section, [])
+
+
+if __name__ == "__main__":
+    sys.exit(main_child(sys.argv[1:]))
