@@ -21,7 +21,9 @@ from verl_fastsync import bench, cli, doctor, models
 KEY = "actor_rollout_ref.rollout.custom.fastsync"
 
 
-def _run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run_cli(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "verl_fastsync.cli", *args],
         capture_output=True,
@@ -35,7 +37,9 @@ def _run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None
 
 
 @pytest.fixture(scope="module")
-def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def tiny_bench(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     proc = _run_cli(
         "bench",
@@ -56,7 +60,9 @@ def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Com
 
 @pytest.mark.verl
 @pytest.mark.timeout(300)
-def test_bench_tiny_model_json_validates(tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+def test_bench_tiny_model_json_validates(
+    tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+) -> None:
     proc, doc = tiny_bench
     bench.validate_bench_json(doc)
     assert doc["schema_version"] == bench.SCHEMA_VERSION
@@ -88,7 +94,9 @@ def test_bench_transfer_rows(tiny_bench: tuple[subprocess.CompletedProcess[str],
     _, doc = tiny_bench
     rows = doc["transfer"]
     for model in ("dense-small", "moe-small"):
-        verl_shm = [r for r in rows if r["impl"] == "verl" and r["transport"] == "shm" and r["model"] == model]
+        verl_shm = [
+            r for r in rows if r["impl"] == "verl" and r["transport"] == "shm" and r["model"] == model
+        ]
         assert len(verl_shm) == 1
         row = verl_shm[0]
         spec = models.model_spec(model, int(0.004 * bench.GIB))
@@ -106,7 +114,9 @@ def test_bench_transfer_rows(tiny_bench: tuple[subprocess.CompletedProcess[str],
         else:
             assert row["error"]
     # fastsync's colocated shm transport carries every model (oversize tensors are chunked)
-    fast = [r for r in rows if r["impl"] == "fastsync" and r["kind"] == "colocated" and r["transport"] == "shm"]
+    fast = [
+        r for r in rows if r["impl"] == "fastsync" and r["kind"] == "colocated" and r["transport"] == "shm"
+    ]
     assert fast and all(r["status"] == "ok" and r["verified"] for r in fast), fast
     scale_axes = {r["axis"] for r in doc["scale"]}
     assert scale_axes == {"model_bytes", "tensor_count"}
@@ -244,7 +254,12 @@ def test_doctor_plugin_present(verl_version: tuple[int, int, int]) -> None:
     assert report["config"]["enable"] is True
     assert report["config"]["pre_resume_cleanup"] == "adaptive"
     assert report["config"]["post_transfer_cleanup"] == "light"
-    assert set(report["cleanup_policies"]["pre_resume_cleanup"]) >= {"light", "adaptive", "aggressive", "none"}
+    assert set(report["cleanup_policies"]["pre_resume_cleanup"]) >= {
+        "light",
+        "adaptive",
+        "aggressive",
+        "none",
+    }
     # on this CPU-only host CUDA transports are unavailable, with the reason
     colocated = report["transports"]["colocated"]
     if not report["dependencies"]["cuda"]["ok"]:
