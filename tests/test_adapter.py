@@ -263,3 +263,13 @@ def test_legacy_fsdp_rollout_mode(monkeypatch: pytest.MonkeyPatch, verl_version:
 
     aggressive = legacy(fastsync_overrides(enable=True, pre_resume_cleanup="aggressive"))
     assert aggressive.index("gc") < aggressive.index("resume:weights")
+
+
+def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """init_model's aggressive_empty_cache (and any call outside a sync) reaches verl unchanged."""
+    events = Events()
+    device = FakeDevice(events)
+    install_recorders(monkeypatch, events, device)
+    ew.aggressive_empty_cache(force_sync=True)
+    assert events[:3] == ["gc", "empty_cache", "synchronize"]
+    assert ew.get_torch_device() is device
