@@ -71,7 +71,10 @@ def digest(name: str, tensor: Any) -> tuple[str, tuple[int, ...], str, str]:
     from verl_fastsync.chunks import byte_view, dtype_to_str
 
     data = byte_view(tensor)
-    sha = hashlib.sha256(data.numpy().tobytes() if data.numel() else b"").hexdigest()
+    h = hashlib.sha256()
+    if data.numel():
+        h.update(memoryview(data.numpy()))  # no copy
+    sha = h.hexdigest()
     return name, tuple(tensor.shape), dtype_to_str(tensor.dtype), sha
 
 
@@ -150,7 +153,15 @@ class _Worker:
 
     def send(self, specs: list[TensorSpec], seed: int, extra: dict[str, Any]) -> dict[str, Any]:
         model = list(iter_model(specs, seed))  # materialised before the baseline
-        weights: Any = iter(model)
+        die_after = extra.get("die_after")
+
+        def gen() -> Any:
+            for i, item in enumerate(model):
+                if die_after is not None and i >= die_after:
+                    os._exit(17)
+                yield item
+
+        weights: Any = gen()
         if extra.get("async_gen"):
 
             async def agen() -> Any:
@@ -173,9 +184,11 @@ class _Worker:
         return {"metrics": metrics, "rss_delta": peak_rss() - base, "seconds": seconds}
 
     def receive(self, extra: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        digest("warm-up", torch.zeros(3))  # first .numpy() imports numpy: not the transfer's memory
         base = reset_peak_rss()
         digests: list[Any] = []
-        hold = extra.get("hold", False)
 
         async def run() -> None:
             gen = self.engine.receive_weights() if self.mode == "engine" else self.engine.receive()
@@ -186,8 +199,7 @@ class _Worker:
                     digests.append(digest(name, tensor))
                 else:
                     digests.append((name,))
-                if hold:
-                    pass
+                del tensor  # like a real consumer that copied it: keep nothing
 
         t0 = time.perf_counter()
         asyncio.run(run())
@@ -201,6 +213,20 @@ class _Worker:
 
     def finalize(self) -> None:
         self.engine.finalize()
+
+    def set_bucket(self, size: Any) -> None:
+        if self.mode == "engine":
+            self.engine.bucket_size = size
+        else:
+            self.bucket = size
+
+    def renew(self, transport: str, ctor: dict[str, Any]) -> None:
+        """Switch this rank to another transport / constructor kwargs."""
+        if self.engine is not None:
+            self.engine.finalize()
+        self.transport_name = transport
+        self.ctor = dict(self.ctor, **ctor)
+        self.new()
 
 
 def _worker_main(conn: Connection, mode: str, transport: str, ctor: dict[str, Any], role: str) -> None:
@@ -217,7 +243,7 @@ def _worker_main(conn: Connection, mode: str, transport: str, ctor: dict[str, An
         try:
             if cmd == "exec":
                 namespace: dict[str, Any] = {"worker": worker}
-                exec(args, namespace)
+                exec(args[0], namespace)
                 result = namespace.get("result")
             else:
                 result = getattr(worker, cmd)(*args)
@@ -350,6 +376,13 @@ class Cluster:
         if finalize:
             self.call_all("finalize")
         return {"senders": results[: self.n_actor], "receivers": results[self.n_actor :]}
+
+    def set_bucket(self, size: Any) -> None:
+        self.call_all("set_bucket", size)
+
+    def renew(self, transport: str, **ctor: Any) -> None:
+        self.transport = transport
+        self.call_all("renew", transport, ctor)
 
     def close(self) -> None:
         for i, conn in enumerate(self.conns):

@@ -298,6 +298,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         async for item in self.transport.receive():
             yield item
+            del item  # keep no reference to a tensor the consumer has moved on from
         stats = self.transport.last_stats
         if stats is not None:
             self.last_metrics = stats.as_metrics()

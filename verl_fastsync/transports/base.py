@@ -557,11 +557,15 @@ class BufferedTransport(EngineTransport):
                     self.inflight.tensor = meta.name
                     stats.chunks += 1
                     stats.bytes += meta.chunk_size
-                    for item in assembler.feed(meta, data):
+                    completed = assembler.feed(meta, data)
+                    while completed:
+                        item = completed.pop()
                         self.inflight.tensor = None
                         self.inflight.last_tensor = item[0]
                         self.inflight.phase = "consumer"
                         yield item
+                        # drop our reference: the consumer alone decides how long a tensor lives
+                        del item
                         self.inflight.phase = "assemble"
                     if assembler.incomplete:
                         self.inflight.tensor = assembler.incomplete[0]

@@ -223,22 +223,19 @@ class ShmTransport(BufferedTransport):
     def _handshake_sender(self) -> None:
         deadline = self._deadline()
         self.inflight.phase = "handshake"
-        while len(self._peers) < self.receivers:
-            ident, message = self._recv_msg(
-                deadline, "rollout ranks", f"hello from {self.receivers} receivers"
-            )
+        attached: set[int] = set()
+        # hellos and attach reports interleave across receivers: handle both in one loop
+        while len(self._peers) < self.receivers or len(attached) < self.receivers:
+            step = "hello" if len(self._peers) < self.receivers else "attach"
+            waiting = f"{step} from {self.receivers} receivers"
+            ident, message = self._recv_msg(deadline, "rollout ranks", waiting)
             if isinstance(message, Hello):
                 self._peers[ident or b""] = message.rank
-                self._send_to(
-                    ident,
-                    Welcome(
-                        bucket_size=self.bucket_size, buffers=self._segment_names, verify=self.options.verify
-                    ),
+                welcome = Welcome(
+                    bucket_size=self.bucket_size, buffers=self._segment_names, verify=self.options.verify
                 )
-        attached: set[int] = set()
-        while len(attached) < self.receivers:
-            _, message = self._recv_msg(deadline, "rollout ranks", "attach")
-            if isinstance(message, Attached):
+                self._send_to(ident, welcome)
+            elif isinstance(message, Attached):
                 attached.add(message.rank)
         for seg in self._segments:
             seg.unlink()  # every receiver mapped it: nothing can leak from here on

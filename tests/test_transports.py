@@ -1,0 +1,276 @@
+"""Engine transports in real processes, without verl (the transport layer must work without it):
+round trips over bucket sizes and dtypes, memory bounds, verify, wire versions, dead peers, and a
+third-party transport loaded through a real entry point."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _transport_harness import (  # type: ignore[import-not-found]
+    ROOT,
+    Cluster,
+    TensorSpec,
+    WorkerError,
+    expected_digests,
+    shm_segments,
+    synthetic_model,
+)
+
+from verl_fastsync.plugins import (
+    UnknownPluginNameError,
+    available_transports,
+    plugin_manager,
+    select_transport,
+)
+from verl_fastsync.transports.base import LazyTransportClass, TransportOptions, base_topology
+
+BASE = 4096
+MODEL = synthetic_model(BASE)
+CPU_TRANSPORTS = ["shm", "gloo", "nixl"]
+
+
+def _check(result: dict[str, Any], specs: list[TensorSpec], seed: int = 0) -> None:
+    expected = expected_digests(specs, seed)
+    for receiver in result["receivers"]:
+        assert [tuple(d) for d in receiver["digests"]] == expected
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments() -> Any:
+    before = shm_segments()
+    yield
+    assert shm_segments() - before == set(), "a fastsync shared-memory segment was left in /dev/shm"
+
+
+def test_builtin_engine_transports_registered() -> None:
+    names = available_transports(plugin_manager(), "engine")
+    assert {"shm", "gloo"} <= set(names)
+    factory = select_transport(plugin_manager(), "shm", "engine")
+    assert isinstance(factory, LazyTransportClass)
+
+
+def test_unknown_transport_lists_available() -> None:
+    with pytest.raises(UnknownPluginNameError, match=r"unknown engine transport; available: .*gloo.*shm"):
+        select_transport(plugin_manager(), "carrier-pigeon", "engine")
+
+
+def test_options_and_topology_validation() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        TransportOptions(timeout_s=0)
+    with pytest.raises(TypeError, match="timeout_s must be a number"):
+        TransportOptions(timeout_s="soon")  # type: ignore[arg-type]
+    actor, rollout = base_topology(2, 3, [{"bucket_size": 8}] * 5)
+    assert actor["rank"] == [0, -1] and rollout["rank"] == [1, 2, 3]
+    assert actor["world_size"] == [4, 4] and rollout["role"] == ["rollout"] * 3
+    with pytest.raises(ValueError, match="5 metadata entries"):
+        base_topology(1, 1, [{}] * 5)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_round_trip_two_receivers(transport: str) -> None:
+    """1 sender -> 2 receivers; buckets from 1 KiB (tensors up to 40x the bucket) to larger than the
+    model; odd bucket sizes; a sync and an async weight generator; identical bytes/names/order."""
+    with Cluster(transport, 1, 2, mode="transport", ctor={"bucket_size": BASE, "timeout_s": 60}) as cluster:
+        for bucket, seed, extra in ((1024, 0, {}), (BASE + 7, 1, {"async_gen": True}), (1 << 20, 2, {})):
+            cluster.set_bucket(bucket)
+            result = cluster.sync(MODEL, seed=seed, send_extra=extra)
+            _check(result, MODEL, seed)
+            sent = result["senders"][0]["metrics"]
+            assert sent["fastsync/transfer/tensors"] == len(MODEL)
+            if bucket == 1 << 20:
+                assert sent["fastsync/transfer/buckets"] == 1
+            for receiver in result["receivers"]:
+                assert receiver["metrics"]["fastsync/transfer/bytes"] == sent["fastsync/transfer/bytes"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_peak_memory_bounds(transport: str) -> None:
+    """Sender extra memory <= 2 buckets; receiver <= 2 buckets + the largest tensor. Checked both with
+    the transport's own buffer accounting and with the kernel's RSS high-water mark (VmHWM reset
+    right before the transfer), allowing 6 MiB for the interpreter/allocator noise."""
+    bucket = 2 << 20
+    largest = 12 << 20
+    specs = [
+        TensorSpec("embed", (largest // 4,), "float32"),
+        *[TensorSpec(f"l{i}.w", (256, 1024 + i), "bfloat16") for i in range(8)],
+        TensorSpec("moe", (6, 1 << 20), "int8"),
+        TensorSpec("norm", (4096,), "float32"),
+    ]
+    slack = 6 << 20
+    with Cluster(transport, 1, 1, mode="transport", ctor={"bucket_size": bucket, "timeout_s": 60}) as cluster:
+        result = cluster.sync(specs, seed=5, recv_extra={})
+        _check(result, specs, 5)
+    sender, receiver = result["senders"][0], result["receivers"][0]
+    assert sender["metrics"]["fastsync/transfer/peak_extra_bytes_sender"] <= 2 * bucket
+    assert receiver["metrics"]["fastsync/transfer/peak_extra_bytes_receiver"] <= 2 * bucket + largest
+    assert sender["rss_delta"] <= 2 * bucket + slack, sender["rss_delta"]
+    assert receiver["rss_delta"] <= 2 * bucket + largest + slack, receiver["rss_delta"]
+
+
+CORRUPT = """
+import torch
+t = worker.engine
+orig = t._receiver_buffer
+def corrupt(slot):
+    buf = orig(slot)
+    if t.inflight.bucket == 2:
+        buf[3] ^= 0xFF
+    return buf
+t._receiver_buffer = corrupt
+"""
+
+
+@pytest.mark.timeout(120)
+def test_verify_detects_corruption_and_aborts_sender() -> None:
+    ctor = {"bucket_size": 1024, "timeout_s": 30, "verify": True}
+    with Cluster("shm", 1, 1, mode="transport", ctor=ctor) as cluster:
+        cluster.build_process_group()
+        cluster.post(1, "exec", CORRUPT)
+        cluster.wait(1)
+        cluster.post(0, "send", MODEL, 0, {})
+        cluster.post(1, "receive", {})
+        recv_status, recv_msg = cluster.wait_result(1)
+        send_status, send_msg = cluster.wait_result(0)
+    assert recv_status == "err" and "ChunkCorruptedError" in recv_msg and "is corrupted" in recv_msg
+    assert "tensor '" in recv_msg
+    assert send_status == "err" and "PeerAbortedError" in send_msg and "corrupted" in send_msg
+
+
+WRONG_VERSION = """
+import msgspec
+import verl_fastsync.transports.shm as shm
+orig = shm.encode
+def encode(message):
+    raw = msgspec.to_builtins(message)
+    raw["schema_version"] = 99
+    return msgspec.msgpack.encode(raw)
+shm.encode = encode
+"""
+
+
+@pytest.mark.timeout(120)
+def test_incompatible_wire_version_rejected() -> None:
+    with Cluster("shm", 1, 1, mode="transport", ctor={"bucket_size": 1024, "timeout_s": 4}) as cluster:
+        cluster.post(0, "exec", WRONG_VERSION)
+        cluster.wait(0)
+        metadata = [
+            cluster.wait(i) for i in (cluster.post(0, "prepare") or 0, cluster.post(1, "prepare") or 1)
+        ]
+        from verl_fastsync.transports.shm import ShmTransport
+
+        actor, rollout = ShmTransport.build_topology(1, 1, metadata)
+        cluster.post(0, "init", {k: v[0] for k, v in actor.items()})
+        cluster.post(1, "init", {k: v[0] for k, v in rollout.items()})
+        recv_status, recv_msg = cluster.wait_result(1)
+        send_status, send_msg = cluster.wait_result(0, timeout=60)
+        cluster.call_all("finalize")
+    assert recv_status == "err" and "WireVersionError" in recv_msg
+    assert "sent version 99, this side speaks version 1" in recv_msg
+    assert send_status == "err" and "timed out after 4s" in send_msg and "phase 'handshake'" in send_msg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_receiver_killed_sender_raises(transport: str) -> None:
+    ctor = {"bucket_size": 1024, "timeout_s": 4}
+    with Cluster(transport, 1, 1, mode="transport", ctor=ctor) as cluster:
+        cluster.build_process_group()
+        cluster.post(0, "send", MODEL, 0, {})
+        cluster.post(1, "receive", {"die_after": 3})
+        status, message = cluster.wait_result(0, timeout=4 + 40)
+        cluster.procs[1].join(timeout=10)
+        assert cluster.procs[1].exitcode == 17
+        cluster.post(0, "finalize")
+        cluster.wait(0)
+    assert status == "err"
+    assert "sender rank 0" in message or "trainer rank 0" in message
+    assert "bucket" in message and "tensor in flight" in message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_sender_killed_receiver_raises(transport: str) -> None:
+    ctor = {"bucket_size": 1024, "timeout_s": 4}
+    with Cluster(transport, 1, 1, mode="transport", ctor=ctor) as cluster:
+        cluster.build_process_group()
+        cluster.post(0, "send", MODEL, 0, {"die_after": 4})
+        cluster.post(1, "receive", {})
+        status, message = cluster.wait_result(1, timeout=4 + 40)
+        cluster.procs[0].join(timeout=10)
+        assert cluster.procs[0].exitcode == 17
+        cluster.post(1, "finalize")
+        cluster.wait(1)
+    assert status == "err", message
+    assert "trainer rank 0" in message
+    assert "bucket" in message and "tensor in flight" in message
+
+
+@pytest.mark.timeout(120)
+def test_sender_error_reaches_receiver() -> None:
+    """A bad weight on the trainer (duplicate name) aborts every receiver with the reason."""
+    specs = [TensorSpec("a", (10,)), TensorSpec("a", (3,))]
+    with Cluster("shm", 1, 1, mode="transport", ctor={"bucket_size": 1024, "timeout_s": 30}) as cluster:
+        with pytest.raises(WorkerError, match="appears twice"):
+            cluster.sync(specs, finalize=False)
+        status, message = cluster.wait_result(1)
+        cluster.call_all("finalize")
+    assert status == "err" and "PeerAbortedError" in message and "'a' appears twice" in message
+
+
+# -- third-party transport through a real entry point ------------------------------------------
+
+PLUGIN = """
+from verl_fastsync import hookimpl
+from verl_fastsync.transports.shm import ShmTransport
+
+
+class PigeonTransport(ShmTransport):
+    name = "pigeon"
+
+
+@hookimpl
+def weight_transport(name, kind, available):
+    if kind != "engine":
+        return None
+    available.append("pigeon")
+    return PigeonTransport if name == "pigeon" else None
+"""
+
+CHECK = """
+import sys
+from verl_fastsync.plugins import available_transports, plugin_manager, select_transport
+pm = plugin_manager()
+cls = select_transport(pm, "pigeon", "engine")
+print("selected", cls.__module__, cls.__name__, sorted(available_transports(pm, "engine")))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_third_party_transport_via_entry_point(tmp_path: Path) -> None:
+    (tmp_path / "pigeon_transport.py").write_text(PLUGIN)
+    dist = tmp_path / "pigeon_transport-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pigeon-transport\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[verl_fastsync]\npigeon = pigeon_transport\n")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")])
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=90, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "selected pigeon_transport PigeonTransport" in out.stdout
+    assert "'pigeon'" in out.stdout and "'shm'" in out.stdout
+    # without the dist-info on the path the name is unknown and the error lists what exists
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=90, check=False
+    )
+    assert out.returncode != 0 and "unknown engine transport; available:" in out.stderr
