@@ -272,7 +272,6 @@ class FastsyncCheckpointEngine(CheckpointEngine):
     def finalize(self) -> None:
         self.transport.finalize()
 
-    @torch.no_grad()
     async def send_weights(
         self,
         weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
@@ -292,7 +291,6 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         self.last_metrics = stats.as_metrics()
         return dict(self.last_metrics)
 
-    @torch.no_grad()
     async def receive_weights(  # type: ignore[override]
         self, global_steps: int | None = None
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
