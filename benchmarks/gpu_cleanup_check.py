@@ -42,21 +42,21 @@ class _Holder:
 
 
 def _leave_cycles_holding(device_name: str, mib: int, pieces: int = 16) -> None:
+    """Device tensors held only by unreachable reference cycles in the oldest GC generation (as
+    :func:`verl_fastsync.bench.make_garbage` leaves them): only a full ``gc.collect()`` frees them."""
     import torch
 
     if mib <= 0:
         return
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        per = max(1, mib // pieces) * MIB
-        for _ in range(pieces):
-            a = _Holder(torch.empty(per, dtype=torch.uint8, device=device_name))
-            b = _Holder(None)
-            a.peer, b.peer = b, a
-    finally:
-        if was:
-            gc.enable()
+    holder: list[Any] = []
+    per = max(1, mib // pieces) * MIB
+    for _ in range(pieces):
+        a = _Holder(torch.empty(per, dtype=torch.uint8, device=device_name))
+        b = _Holder(None)
+        a.peer, b.peer = b, a
+        holder.append(a)
+    gc.collect(1)
+    holder.clear()
 
 
 def _cache_blocks(device_name: str, mib: int) -> None:

@@ -225,12 +225,23 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _malloc_trim() -> None:
+    """glibc ``malloc_trim(0)``: return free heap memory to the OS (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class _RssSampler:
     """Peak resident set size above a baseline, sampled from /proc/self/statm every millisecond."""
 
     def __init__(self, interval_s: float = 0.001) -> None:
         self.interval_s = interval_s
         self.page = os.sysconf("SC_PAGE_SIZE")
+        _malloc_trim()  # give freed heap pages back first, so reuse of them shows as growth
         self.baseline = self.rss()
         self.peak = self.baseline
         self._stop = threading.Event()
@@ -405,19 +416,20 @@ def build_heap(objects: int) -> list[Any]:
 
 
 def make_garbage(objects: int) -> None:
-    """Leave about ``objects`` unreachable objects in reference cycles (created with GC paused, so they
-    are still there when the policy runs, like the garbage a training step leaves behind)."""
+    """Leave about ``objects`` unreachable objects in reference cycles in the oldest GC generation.
+
+    They are kept alive through a young-generation collection (which promotes them, as objects that
+    lived through a training step are), then dropped: only a full ``gc.collect()`` finds them, which
+    is what a trainer's leftovers look like to the cleanup policies."""
     import gc
 
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for i in range(objects // 3):
-            node = _Node(i)
-            node.peer = [{"node": node}, i]
-    finally:
-        if was_enabled:
-            gc.enable()
+    holder: list[Any] = []
+    for i in range(objects // 3):
+        node = _Node(i)
+        node.peer = [{"node": node}, i]
+        holder.append(node)
+    gc.collect(1)  # survivors move to the oldest generation
+    holder.clear()
 
 
 def _cleanup_child(heap_objects: int, repeats: int, policies: Sequence[str], cached_mib: int) -> None:
@@ -508,6 +520,92 @@ def _load_verl_bucketed_module() -> Any:
     return module
 
 
+def _verl_chunk_functions() -> tuple[Any, Any, Any]:
+    """verl's ``split_weight_chunks``, ``merge_weight_chunks`` and ``TensorMeta`` (verl 0.8.0+)."""
+    try:
+        from verl.checkpoint_engine.base import TensorMeta, merge_weight_chunks, split_weight_chunks
+    except ImportError as exc:
+        raise RuntimeError(
+            f"verl {_verl_version()} has no split_weight_chunks/merge_weight_chunks (added in 0.8.0): {exc}"
+        ) from exc
+    return split_weight_chunks, merge_weight_chunks, TensorMeta
+
+
+def _broadcast_meta(metas: list[Any] | None) -> list[Any]:
+    """Bucket metadata from rank 0 to rank 1 over gloo (msgspec-encoded, no pickle)."""
+    import msgspec
+    import torch
+    import torch.distributed as dist
+
+    if metas is not None:
+        payload = msgspec.msgpack.encode(metas)
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(length, src=0)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+        return metas
+    length = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(length, src=0)
+    buf = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    decoded: list[Any] = msgspec.msgpack.decode(buf.numpy().tobytes())
+    return decoded
+
+
+async def _verl_gloo_send(tensors: list[tuple[str, Any]], bucket_bytes: int) -> None:
+    """verl's engine-side bucketing (``split_weight_chunks`` into a bucket, as its NCCL engine does),
+    each full bucket broadcast over gloo with its metadata."""
+    import torch
+    import torch.distributed as dist
+
+    split, _, _ = _verl_chunk_functions()
+    buf = torch.empty(bucket_bytes, dtype=torch.uint8)
+    metas: list[Any] = []
+    offset = 0
+
+    def flush(is_last: bool) -> None:
+        _broadcast_meta([is_last, offset, metas])
+        if offset:
+            dist.broadcast(buf[:offset], src=0)
+
+    async for meta, chunk in split(iter(tensors), bucket_bytes):
+        if offset + meta.chunk_size > bucket_bytes:
+            flush(False)
+            metas, offset = [], 0
+        buf[offset : offset + meta.chunk_size].copy_(chunk)
+        metas.append(
+            [meta.name, list(meta.shape), str(meta.dtype).removeprefix("torch."), meta.chunk_offset,
+             meta.chunk_size, offset]
+        )  # fmt: skip
+        offset += meta.chunk_size
+    flush(True)
+
+
+async def _verl_gloo_receive(dest: dict[str, Any], bucket_bytes: int) -> None:
+    """Buckets from gloo, their chunks merged by verl's ``merge_weight_chunks``, copied into ``dest``."""
+    import torch
+    import torch.distributed as dist
+
+    _, merge, tensor_meta = _verl_chunk_functions()
+    buf = torch.empty(bucket_bytes, dtype=torch.uint8)
+
+    async def chunks() -> Any:
+        while True:
+            is_last, length, metas = _broadcast_meta(None)
+            if length:
+                dist.broadcast(buf[:length], src=0)
+            for name, shape, dtype, chunk_offset, chunk_size, offset in metas:
+                meta = tensor_meta(
+                    name=name, shape=torch.Size(shape), dtype=getattr(torch, dtype),
+                    chunk_offset=chunk_offset, chunk_size=chunk_size, offset=offset,
+                )  # fmt: skip
+                yield meta, buf[offset : offset + chunk_size]
+            if is_last:
+                return
+
+    async for name, tensor in merge(chunks(), bucket_bytes):
+        dest[name].copy_(tensor)
+
+
 class _Worker:
     """State of one transfer worker: cached models and the verl module."""
 
@@ -540,9 +638,32 @@ class _Worker:
                 self._verl = _load_verl_bucketed_module()
         elif trial["impl"] == "fastsync-colocated":
             importlib.import_module("verl_fastsync.colocated")
+        elif trial["impl"] == "verl-gloo":
+            _verl_chunk_functions()  # raises on releases without them
+            self._gloo_group(trial)
         else:
             raise RuntimeError(f"unknown worker impl {trial['impl']!r}")
         return tensors
+
+    def _gloo_group(self, trial: dict[str, Any]) -> Any:
+        """A two-rank gloo group between this worker pair (sender rank 0), made once."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{trial['gloo_port']}",
+                rank=0 if self.role == "sender" else 1,
+                world_size=2,
+                timeout=__import__("datetime").timedelta(seconds=trial["timeout_s"]),
+            )
+        return dist.group.WORLD
+
+    def _run_verl_gloo(self, trial: dict[str, Any], tensors: list[tuple[str, Any]]) -> None:
+        if self.role == "sender":
+            asyncio.run(_verl_gloo_send(tensors, trial["bucket_bytes"]))
+        else:
+            asyncio.run(_verl_gloo_receive(dict(tensors), trial["bucket_bytes"]))
 
     def _endpoints(self, trial: dict[str, Any]) -> tuple[Any, Any]:
         """(sender, receiver) factories of the trial's implementation."""
@@ -551,6 +672,8 @@ class _Worker:
         bucket_mib = trial["bucket_bytes"] // MIB
         device_name = trial.get("device", "cpu")
         device = torch.device(device_name)
+        if trial["impl"] == "verl-gloo":
+            return (None, None)
         if trial["impl"] == "verl-shm":
             mod = self._verl
             return (
@@ -586,7 +709,9 @@ class _Worker:
         make_sender, make_receiver = self._endpoints(trial)
         with _RssSampler() as rss:
             t_start = time.perf_counter()
-            if self.role == "sender":
+            if trial["impl"] == "verl-gloo":
+                self._run_verl_gloo(trial, tensors)
+            elif self.role == "sender":
                 asyncio.run(make_sender().async_send_weights(iter(tensors)))
             else:
                 dest = dict(tensors)
@@ -796,6 +921,15 @@ def _ok_row(
     return row
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 class _WorkerPair:
     """A persistent sender and receiver process for the stock verl paths."""
 
@@ -803,6 +937,7 @@ class _WorkerPair:
         self.timeout_s = timeout_s
         self.sender: _Child | None = None
         self.receiver: _Child | None = None
+        self.gloo_port = _free_port()
 
     def _ensure(self) -> tuple[_Child, _Child]:
         if self.sender is None or self.sender.proc.poll() is not None:
@@ -823,20 +958,27 @@ class _WorkerPair:
             "timeout_s": self.timeout_s,
             "device": device,
             "verify": verify,
+            "gloo_port": self.gloo_port,
         }
         for child in (receiver, sender):
             child.send({"op": "prepare", "trial": payload})
-        for child in (receiver, sender):
-            ready = child.recv()
+        readies = [child.recv() for child in (receiver, sender)]
+        for ready in readies:
             if not ready["ok"]:
+                self.close()
+                self.sender = self.receiver = None
+                self.gloo_port = _free_port()
                 return ready
         receiver.send({"op": "run", "trial": payload})
         sender.send({"op": "run", "trial": payload})
         s = sender.recv()
         if not s["ok"]:
-            # the receiver waits for buckets that will never come: replace it
+            # the receiver waits for buckets that will never come: replace the pair (a gloo group
+            # with a dead peer cannot be reused either)
             receiver.kill()
-            self.receiver = None
+            sender.kill()
+            self.sender = self.receiver = None
+            self.gloo_port = _free_port()
             return s
         r = receiver.recv()
         if not r["ok"]:
@@ -856,6 +998,7 @@ class _WorkerPair:
 
 
 _NOTES = {
+    "verl-gloo": "verl split_weight_chunks/merge_weight_chunks (its NCCL engine's bucketing) over gloo",
     "verl-shm": "verl BucketedWeightSender/Receiver(use_shm=True), CPU stand-in device",
     "fastsync-colocated": "verl_fastsync.colocated ColocatedSender/Receiver",
 }
@@ -1096,6 +1239,8 @@ def _transport_plan(opts: BenchOptions) -> tuple[list[tuple[str, str, str]], dic
             plan.append((name, "fastsync-colocated", "colocated"))
         if name == "shm":
             plan.append((name, "verl-shm", "colocated"))
+        if name == "gloo":
+            plan.append((name, "verl-gloo", "engine"))
         if name == "nixl":
             plan.append((name, "verl-nixl", "engine"))
     return plan, skipped
