@@ -116,7 +116,7 @@ def test_topology_disagreements(engine_cls: Any) -> None:
 @pytest.mark.timeout(180)
 def test_engine_protocol_end_to_end(engine_cls: Any) -> None:
     """2 trainer ranks (rank 1 only walks its generator) -> 2 rollout ranks, real processes, through
-    verl's registry; shm over bucket sizes 1 KiB..> model, verify on, auto bucket; then gloo."""
+    verl's registry; shm over bucket sizes 1 KiB..> model, verify on, auto bucket; then gloo, nixl."""
     model = synthetic_model(4096, dtypes=("float32", "bfloat16", "float8_e4m3fn"))
     expected = expected_digests(model)
     before = shm_segments()
@@ -127,6 +127,7 @@ def test_engine_protocol_end_to_end(engine_cls: Any) -> None:
             ("shm", {"bucket_bytes": "1MiB", "verify": True}),
             ("shm", {"bucket_bytes": "auto", "verify": False}),
             ("gloo", {"bucket_bytes": 4099}),
+            ("nixl", {"bucket_bytes": 2048}),
         ]
         for transport, kwargs in runs:
             cluster.renew(transport, **kwargs)

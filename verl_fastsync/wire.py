@@ -7,6 +7,8 @@ instead of a confusing field error.
 Messages (tagged union, tag field ``type``):
 
 * :class:`Hello` - a receiver introduces itself to the sender (rank, host, protocol version).
+* :class:`PeerBuffers` - the same for RDMA-style transports (NIXL): agent metadata and the
+  addresses of the receiver's two bucket buffers.
 * :class:`Welcome` - the sender's answer: the bucket buffers to attach to and the bucket size.
 * :class:`Attached` - a receiver has mapped/registered its buffers.
 * :class:`BucketReady` - bucket ``bucket_index`` is in buffer ``slot`` (``nbytes`` used) with chunks.
@@ -31,6 +33,7 @@ __all__ = [
     "BucketReady",
     "Hello",
     "Message",
+    "PeerBuffers",
     "SyncEnd",
     "Welcome",
     "WireError",
@@ -59,6 +62,19 @@ class Hello(_Base, tag="hello"):
     rank: int
     host: str
     pid: int
+
+
+class PeerBuffers(_Base, tag="peer-buffers"):
+    """A receiver's introduction for RDMA-style transports: its agent and bucket addresses."""
+
+    rank: int
+    host: str
+    pid: int
+    agent: str
+    agent_metadata: bytes
+    addresses: list[int]
+    mem_type: str = "DRAM"
+    device_id: int = 0
 
 
 class Welcome(_Base, tag="welcome"):
@@ -98,7 +114,7 @@ class Abort(_Base, tag="abort"):
     rank: int | None = None
 
 
-Message = Union[Hello, Welcome, Attached, BucketReady, BucketAck, SyncEnd, Abort]  # noqa: UP007
+Message = Union[Hello, PeerBuffers, Welcome, Attached, BucketReady, BucketAck, SyncEnd, Abort]  # noqa: UP007
 
 
 class _Probe(msgspec.Struct):

@@ -43,6 +43,7 @@ def _register_engine_transports() -> None:
     for name, target in (
         ("shm", "verl_fastsync.transports.shm:ShmTransport"),
         ("gloo", "verl_fastsync.transports.gloo:GlooTransport"),
+        ("nixl", "verl_fastsync.transports.nixl:NixlTransport"),
     ):
         BUILTIN_TRANSPORTS[("engine", name)] = LazyTransportClass(name, target)
 

@@ -138,17 +138,21 @@ class ShmTransport(BufferedTransport):
         if self.options.is_master:
             self._close()
             self._ctx = zmq.Context()
-            self._dir = tempfile.mkdtemp(prefix="fastsync-")
-            os.chmod(self._dir, 0o700)
-            path = os.path.join(self._dir, "ctl.sock")
             self._sock = self._ctx.socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._sock.bind(f"ipc://{path}")
-            os.chmod(path, 0o600)
-            self._endpoint = f"ipc://{path}"
+            self._endpoint = self._bind_control(self._sock)
             meta["endpoint"] = self._endpoint
         return meta
+
+    def _bind_control(self, sock: zmq.Socket[Any]) -> str:
+        """Bind the sender's control socket; return the endpoint receivers connect to."""
+        self._dir = tempfile.mkdtemp(prefix="fastsync-")
+        os.chmod(self._dir, 0o700)
+        path = os.path.join(self._dir, "ctl.sock")
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o600)
+        return f"ipc://{path}"
 
     @classmethod
     def _topology_extra(
@@ -175,7 +179,7 @@ class ShmTransport(BufferedTransport):
         if self.rank == 0:
             if self._sock is None:
                 raise TransportError("shm transport: init_process_group on trainer rank 0 before prepare()")
-            self._create_segments()
+            self._sender_setup()
             self._handshake_sender()
         else:
             if not endpoint:
@@ -187,7 +191,8 @@ class ShmTransport(BufferedTransport):
             self._endpoint = endpoint
             self._handshake_receiver()
 
-    def _create_segments(self) -> None:
+    def _sender_setup(self) -> None:
+        """Allocate the sender's two bucket buffers (shm: create the segments)."""
         for _ in range(2):
             name = _PREFIX + secrets.token_hex(16)
             self._segment_names.append(name)
@@ -229,51 +234,65 @@ class ShmTransport(BufferedTransport):
             step = "hello" if len(self._peers) < self.receivers else "attach"
             waiting = f"{step} from {self.receivers} receivers"
             ident, message = self._recv_msg(deadline, "rollout ranks", waiting)
-            if isinstance(message, Hello):
-                self._peers[ident or b""] = message.rank
+            if self._on_hello(ident or b"", message):
                 welcome = Welcome(
-                    bucket_size=self.bucket_size, buffers=self._segment_names, verify=self.options.verify
+                    bucket_size=self.bucket_size, buffers=self._welcome_buffers(), verify=self.options.verify
                 )
                 self._send_to(ident, welcome)
             elif isinstance(message, Attached):
                 attached.add(message.rank)
+        self._all_attached()
+
+    def _on_hello(self, ident: bytes, message: Message) -> bool:
+        """Record a receiver's introduction; False if ``message`` is not one."""
+        if isinstance(message, Hello):
+            self._peers[ident] = message.rank
+            return True
+        return False
+
+    def _welcome_buffers(self) -> list[str]:
+        return self._segment_names
+
+    def _all_attached(self) -> None:
         for seg in self._segments:
             seg.unlink()  # every receiver mapped it: nothing can leak from here on
+
+    def _hello_message(self) -> Message:
+        return Hello(rank=self.rank or 0, host=socket.gethostname(), pid=os.getpid())
+
+    def _attach(self, welcome: Welcome) -> None:
+        self._segment_names = list(welcome.buffers)
+        try:
+            for name in welcome.buffers:
+                self._segments.append(_Segment(name, self.bucket_size, create=False))
+        except FileNotFoundError as exc:
+            raise TransportError(f"shm transport: segment {exc.filename!r} vanished before attach") from exc
 
     def _handshake_receiver(self) -> None:
         deadline = self._deadline()
         self.inflight.phase = "handshake"
         peer = f"trainer rank 0 at {self._endpoint}"
-        self._send_to(None, Hello(rank=self.rank or 0, host=socket.gethostname(), pid=os.getpid()))
+        self._send_to(None, self._hello_message())
         _, message = self._recv_msg(deadline, peer, "welcome")
         if not isinstance(message, Welcome):
-            raise TransportError(f"shm transport: expected welcome from {peer}, got {type(message).__name__}")
+            raise TransportError(
+                f"{self.name} transport: expected welcome from {peer}, got {type(message).__name__}"
+            )
         if message.bucket_size != self.bucket_size:
             raise TransportError(
-                f"shm transport: sender bucket_size {message.bucket_size} != receiver {self.bucket_size}"
+                f"{self.name} transport: sender bucket_size {message.bucket_size} "
+                f"!= receiver {self.bucket_size}"
             )
         if message.verify != self.options.verify:
             raise TransportError(
-                f"shm transport: verify differs between sender ({message.verify}) and rollout rank "
+                f"{self.name} transport: verify differs between sender ({message.verify}) and rollout rank "
                 f"{self.rank} ({self.options.verify}); set engine_kwargs.fastsync.verify the same everywhere"
             )
-        self._segment_names = list(message.buffers)
-        try:
-            for name in message.buffers:
-                self._segments.append(_Segment(name, self.bucket_size, create=False))
-        except FileNotFoundError as exc:
-            raise TransportError(f"shm transport: segment {exc.filename!r} vanished before attach") from exc
+        self._attach(message)
         self._send_to(None, Attached(rank=self.rank or 0))
 
     def _close(self) -> None:
-        for seg in self._segments:
-            seg.unlink()
-            seg.close()
-        for name in self._segment_names:
-            if not self._segments:
-                _unlink_quietly(name)
-        self._segments = []
-        self._segment_names = []
+        self._release_buffers()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -286,6 +305,16 @@ class ShmTransport(BufferedTransport):
         self._peers = {}
         self._slot_bucket = [None, None]
         self._slot_acks = [set(), set()]
+
+    def _release_buffers(self) -> None:
+        for seg in self._segments:
+            seg.unlink()
+            seg.close()
+        for name in self._segment_names:
+            if not self._segments:
+                _unlink_quietly(name)
+        self._segments = []
+        self._segment_names = []
 
     # -- sender ------------------------------------------------------------------------------
 

@@ -1,0 +1,236 @@
+"""``nixl`` engine transport: NIXL agents move the buckets (one-sided WRITE from trainer rank 0 into
+each rollout rank's registered bucket), a pyzmq channel carries the control messages.
+
+* Buffers: two bucket buffers per side, registered with the agent: ``DRAM`` (host memory) when
+  ``options.device`` is ``cpu``, ``VRAM`` on an accelerator.
+* Handshake (in :meth:`init_process_group`): every receiver registers its buffers and sends
+  :class:`~verl_fastsync.wire.PeerBuffers` (agent name + metadata + buffer addresses) to the sender's
+  ZMQ ROUTER (``tcp://`` on ``options.host``, or this host's address; loopback when every rank shares
+  the host); the sender adds each remote agent and answers ``Welcome``; receivers confirm
+  ``Attached``.
+* Per bucket: the sender waits for every receiver's ack of the bucket last held in the slot, packs
+  the bucket, WRITEs its used bytes into each receiver's buffer of the same slot, waits for the
+  WRITEs (bounded by ``timeout_s``) and sends ``BucketReady``. Receivers read in place (zero copy
+  for whole tensors) and ack when their consumer moved on.
+
+The control flow (handshake, acks, end, abort, timeouts) is the ``shm`` transport's; only the
+buffers and the data movement differ. ``nixl`` is imported lazily, when a process group is built.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from typing import Any, ClassVar
+
+import torch
+import zmq
+
+from verl_fastsync.transports.base import TransportError
+from verl_fastsync.transports.shm import ShmTransport
+from verl_fastsync.wire import BucketReady, Message, PeerBuffers, Welcome
+
+__all__ = ["NixlTransport"]
+
+
+def _default_host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class NixlTransport(ShmTransport):
+    """NIXL engine transport (see module docstring)."""
+
+    name: ClassVar[str] = "nixl"
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._agent: Any = None
+        self._agent_name = ""
+        self._bufs: list[torch.Tensor] = []
+        self._reg: Any = None
+        self._remote: dict[bytes, PeerBuffers] = {}
+        self._remote_names: dict[bytes, str] = {}
+        self._local_descs: list[Any] = []
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        meta = super().prepare()
+        if self.options.is_master:
+            meta["addr"] = self._bind_addr
+        return meta
+
+    def _bind_control(self, sock: zmq.Socket[Any]) -> str:
+        self._bind_addr = self.options.host or _default_host()
+        port = sock.bind_to_random_port(f"tcp://{self._bind_addr}")
+        return f"tcp://{self._bind_addr}:{port}"
+
+    @classmethod
+    def _topology_extra(
+        cls, actor_metadata: list[dict[str, Any]], rollout_metadata: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        endpoint = actor_metadata[0].get("endpoint")
+        if not endpoint:
+            raise TransportError(
+                "nixl transport: trainer rank 0 reported no control endpoint (is_master=True?)"
+            )
+        return {"endpoint": endpoint}
+
+    def _mem_type(self) -> tuple[str, torch.device, int]:
+        device = torch.device(self.options.device)
+        if device.type == "cpu":
+            return "DRAM", device, 0
+        return "VRAM", device, device.index or 0
+
+    def _ensure_agent(self) -> Any:
+        if self._agent is None:
+            try:
+                from nixl._api import nixl_agent, nixl_agent_config
+            except ImportError as exc:  # pragma: no cover - depends on the install
+                raise TransportError(
+                    "nixl transport needs the nixl package (pip install 'verl-fastsync[nixl]')"
+                ) from exc
+            self._agent_name = f"fastsync-{self.role}-{self.rank}-{os.getpid()}-{secrets.token_hex(4)}"
+            self._agent = nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
+        return self._agent
+
+    def _allocate(self) -> None:
+        agent = self._ensure_agent()
+        _mem_type, device, _dev_id = self._mem_type()
+        self._bufs = [torch.empty(self.bucket_size, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._reg = agent.register_memory(self._bufs)
+
+    def _sender_setup(self) -> None:
+        self._allocate()
+
+    def _on_hello(self, ident: bytes, message: Message) -> bool:
+        if not isinstance(message, PeerBuffers):
+            return False
+        if len(message.addresses) != 2:
+            raise TransportError(
+                f"nixl transport: rollout rank {message.rank} sent {len(message.addresses)} buffers"
+            )
+        name = self._agent.add_remote_agent(message.agent_metadata)
+        self._remote_names[ident] = name.decode() if isinstance(name, bytes) else str(name)
+        self._remote[ident] = message
+        self._peers[ident] = message.rank
+        return True
+
+    def _welcome_buffers(self) -> list[str]:
+        return [self._agent_name]
+
+    def _all_attached(self) -> None:
+        pass
+
+    def _hello_message(self) -> Message:
+        self._allocate()
+        mem_type, _device, dev_id = self._mem_type()
+        return PeerBuffers(
+            rank=self.rank or 0,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            agent=self._agent_name,
+            agent_metadata=self._agent.get_agent_metadata(),
+            addresses=[int(b.data_ptr()) for b in self._bufs],
+            mem_type=mem_type,
+            device_id=dev_id,
+        )
+
+    def _attach(self, welcome: Welcome) -> None:
+        pass
+
+    def _release_buffers(self) -> None:
+        agent = self._agent
+        if agent is not None:
+            for name in self._remote_names.values():
+                try:
+                    agent.remove_remote_agent(name)
+                except Exception:  # pragma: no cover - best effort
+                    pass
+            if self._reg is not None:
+                try:
+                    agent.deregister_memory(self._reg)
+                except Exception:  # pragma: no cover - best effort
+                    pass
+        self._reg = None
+        self._remote = {}
+        self._remote_names = {}
+        self._bufs = []
+
+    # -- data path ---------------------------------------------------------------------------
+
+    def _sender_buffer(self, slot: int) -> torch.Tensor:
+        return self._bufs[slot]
+
+    def _receiver_buffer(self, slot: int) -> torch.Tensor:
+        if slot not in (0, 1):
+            raise TransportError(f"nixl transport: sender named slot {slot}; only 0 and 1 exist")
+        return self._bufs[slot]
+
+    def _post_bucket(self, slot: int, message: BucketReady) -> None:
+        try:
+            self._write_bucket(slot, message)
+        except TransportError:
+            raise
+        except Exception as exc:  # nixl raises its own types, e.g. on a disconnected peer
+            raise TransportError(
+                f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket {message.bucket_index} "
+                f"to rollout rank(s) {sorted(self._peers.values())} failed: {type(exc).__name__}: {exc}; "
+                f"{self.inflight.describe()}"
+            ) from exc
+        super()._post_bucket(slot, message)
+
+    def _write_bucket(self, slot: int, message: BucketReady) -> None:
+        nbytes = message.nbytes
+        if nbytes:
+            agent = self._agent
+            mem_type, _device, dev_id = self._mem_type()
+            local = agent.get_xfer_descs([(int(self._bufs[slot].data_ptr()), nbytes, dev_id)], mem_type)
+            handles: list[tuple[bytes, Any]] = []
+            try:
+                for ident, peer in self._remote.items():
+                    remote = agent.get_xfer_descs(
+                        [(int(peer.addresses[slot]), nbytes, peer.device_id)], peer.mem_type
+                    )
+                    handle = agent.initialize_xfer("WRITE", local, remote, self._remote_names[ident])
+                    state = agent.transfer(handle)
+                    handles.append((ident, handle))
+                    if state == "ERR":
+                        raise TransportError(
+                            f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
+                            f"{message.bucket_index} to rollout rank {peer.rank} failed to start; "
+                            f"{self.inflight.describe()}"
+                        )
+                deadline = self._deadline()
+                pending = list(handles)
+                while pending:
+                    still = []
+                    for ident, handle in pending:
+                        state = agent.check_xfer_state(handle)
+                        if state == "ERR":
+                            raise TransportError(
+                                f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
+                                f"{message.bucket_index} to rollout rank {self._peers[ident]} failed; "
+                                f"{self.inflight.describe()}"
+                            )
+                        if state != "DONE":
+                            still.append((ident, handle))
+                    pending = still
+                    if pending and time.monotonic() > deadline:
+                        ranks = sorted(self._peers[i] for i, _ in pending)
+                        raise self._timeout_error(
+                            f"rollout rank(s) {ranks}", f"WRITE of bucket {message.bucket_index}"
+                        )
+                    if pending:
+                        time.sleep(0)
+            finally:
+                for _ident, handle in handles:
+                    try:
+                        agent.release_xfer_handle(handle)
+                    except Exception:  # pragma: no cover - best effort
+                        pass
