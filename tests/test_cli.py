@@ -90,7 +90,9 @@ def test_bench_cleanup_rows(tiny_bench: tuple[subprocess.CompletedProcess[str], 
 
 @pytest.mark.verl
 @pytest.mark.timeout(300)
-def test_bench_transfer_rows(tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+def test_bench_transfer_rows(
+    tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]], verl_version: tuple[int, int, int]
+) -> None:
     _, doc = tiny_bench
     rows = doc["transfer"]
     for model in ("dense-small", "moe-small"):
@@ -105,8 +107,17 @@ def test_bench_transfer_rows(tiny_bench: tuple[subprocess.CompletedProcess[str],
             # verl's shared-memory sender cannot carry a tensor larger than its bucket: its own error
             assert row["status"] == "failed"
             assert "too large to fit in the bucket" in row["error"]
+        elif verl_version < (0, 8, 0):
+            # 0.7.x acks a shared-memory bucket before reading it: on a CPU host the bytes race
+            assert row["status"] == "ok" or "received bytes differ" in row["error"]
         else:
             assert row["status"] == "ok" and row["verified"] is True
+    # verl's chunk/merge (0.8.0+) over gloo carries every model; 0.7.1 has no chunking
+    for row in [r for r in rows if r["impl"] == "verl" and r["transport"] == "gloo"]:
+        if verl_version >= (0, 8, 0):
+            assert row["status"] == "ok" and row["verified"] is True, row
+        else:
+            assert row["status"] == "failed" and "split_weight_chunks" in row["error"]
     for row in rows:
         if row["status"] == "ok":
             assert row["verified"] is not False

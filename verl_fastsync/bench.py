@@ -171,6 +171,10 @@ class CpuDevice:
 
         torch.cpu.synchronize()
 
+    def ipc_collect(self) -> None:
+        """No CUDA IPC on a CPU host (verl 0.7.1's shared-memory path calls it unconditionally)."""
+        return None
+
     def memory_reserved(self) -> int:
         return 0
 
@@ -1050,7 +1054,14 @@ def _run_pair_rows(
             if error is not None:
                 rows.append(_failed_row(trial, error, note=note))
             elif not verified:
-                rows.append(_failed_row(trial, "received bytes differ from the sent model", note=note))
+                why = "received bytes differ from the sent model"
+                if trial.impl == "verl-shm" and (_verl_version() or "").startswith("0.7."):
+                    why += (
+                        " (verl 0.7.x's receiver acknowledges a shared-memory bucket before its callback"
+                        " reads it; on an accelerator the .to(device) copy made before the ack keeps that"
+                        " safe, on a CPU host it is a view, so the sender overwrites the bucket being read)"
+                    )
+                rows.append(_failed_row(trial, why, note=note))
             else:
                 rows.append(_ok_row(trial, seconds, ps, pr, memcpy, verified, note=note))
     finally:
