@@ -274,3 +274,32 @@ def test_third_party_transport_via_entry_point(tmp_path: Path) -> None:
         [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=90, check=False
     )
     assert out.returncode != 0 and "unknown engine transport; available:" in out.stderr
+
+
+# -- nccl: no GPU here, so import safety and the protocol up to the CUDA check -----------------
+
+
+def test_nccl_importable_without_gpu_and_fails_clearly() -> None:
+    import torch
+
+    from verl_fastsync.transports.base import EngineTransport
+    from verl_fastsync.transports.nccl import NcclTransport
+
+    factory = select_transport(plugin_manager(), "nccl", "engine")
+    assert factory.load() is NcclTransport
+    assert issubclass(NcclTransport, EngineTransport) and NcclTransport.prefetch
+    master = factory(TransportOptions(is_master=True, host="127.0.0.1", timeout_s=5))
+    receiver = factory(TransportOptions(timeout_s=5))
+    try:
+        meta = [dict(master.prepare(), bucket_size=1024), dict(receiver.prepare(), bucket_size=1024)]
+        assert meta[0]["endpoint"].startswith("tcp://127.0.0.1:")
+        actor, rollout = factory.build_topology(1, 1, meta)
+        assert actor["endpoint"] == rollout["endpoint"] == [meta[0]["endpoint"]]
+        if not torch.cuda.is_available():
+            with pytest.raises(RuntimeError, match="nccl transport needs a CUDA device"):
+                master.init_process_group(**{k: v[0] for k, v in actor.items()})
+    finally:
+        master.finalize()
+        receiver.finalize()
+    with pytest.raises(RuntimeError, match="no control endpoint"):
+        factory.build_topology(1, 1, [{"bucket_size": 1}, {"bucket_size": 1}])

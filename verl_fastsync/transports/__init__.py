@@ -44,6 +44,7 @@ def _register_engine_transports() -> None:
         ("shm", "verl_fastsync.transports.shm:ShmTransport"),
         ("gloo", "verl_fastsync.transports.gloo:GlooTransport"),
         ("nixl", "verl_fastsync.transports.nixl:NixlTransport"),
+        ("nccl", "verl_fastsync.transports.nccl:NcclTransport"),
     ):
         BUILTIN_TRANSPORTS[("engine", name)] = LazyTransportClass(name, target)
 
