@@ -124,6 +124,15 @@ def test_bench_transfer_rows(
             assert row["gbps"] > 0 and 0 < row["fraction_of_memcpy"]
         else:
             assert row["error"]
+    # every registered fastsync engine transport this host can run carries every model, bytes verified
+    from verl_fastsync import plugins
+
+    registered = plugins.available_transports(plugins.get_plugin_manager(), "engine")
+    engine = set(registered) & {"shm", "gloo", "nixl"}
+    for row in rows:
+        if row["impl"] == "fastsync" and row["kind"] == "engine" and row["transport"] in engine:
+            assert row["status"] == "ok" and row["verified"] is True, row
+            assert row["setup_seconds"] >= 0
     # fastsync's colocated shm transport carries every model (oversize tensors are chunked)
     fast = [
         r for r in rows if r["impl"] == "fastsync" and r["kind"] == "colocated" and r["transport"] == "shm"

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -524,6 +523,23 @@ def _load_verl_bucketed_module() -> Any:
     return module
 
 
+def _pack(obj: Any) -> str:
+    """Transport metadata (may hold bytes) -> text for the JSON-lines channel (msgpack, base64)."""
+    import base64
+
+    import msgspec
+
+    return base64.b64encode(msgspec.msgpack.encode(obj)).decode("ascii")
+
+
+def _unpack(text: str) -> Any:
+    import base64
+
+    import msgspec
+
+    return msgspec.msgpack.decode(base64.b64decode(text))
+
+
 def _verl_chunk_functions() -> tuple[Any, Any, Any]:
     """verl's ``split_weight_chunks``, ``merge_weight_chunks`` and ``TensorMeta`` (verl 0.8.0+)."""
     try:
@@ -617,6 +633,8 @@ class _Worker:
         self.role = role
         self._models: dict[tuple[str, float, int, int], list[tuple[str, Any]]] = {}
         self._verl: Any = None
+        self._engine: Any = None
+        self._init_seconds: float | None = None
 
     def model(self, trial: dict[str, Any]) -> list[tuple[str, Any]]:
         from verl_fastsync.models import build_model, model_spec, split_spec
@@ -645,9 +663,53 @@ class _Worker:
         elif trial["impl"] == "verl-gloo":
             _verl_chunk_functions()  # raises on releases without them
             self._gloo_group(trial)
+        elif trial["impl"] == "fastsync-engine":
+            pass
         else:
             raise RuntimeError(f"unknown worker impl {trial['impl']!r}")
         return tensors
+
+    def prepare_engine(self, trial: dict[str, Any]) -> dict[str, Any]:
+        """A fresh engine transport for one sync (verl's lifecycle): its ``prepare()`` metadata."""
+        from verl_fastsync import plugins
+        from verl_fastsync.transports.base import TransportOptions
+
+        if self._engine is not None:
+            self._engine.finalize()
+            self._engine = None
+        factory = plugins.select_transport(plugins.plugin_manager(), trial["transport"], "engine")
+        options = TransportOptions(
+            is_master=self.role == "sender", timeout_s=trial["timeout_s"], device=trial.get("device", "cpu")
+        )
+        self._engine = factory(options)
+        meta = self._engine.prepare()
+        return {"meta": _pack(meta)}
+
+    def init_engine(self, kwargs: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        assert self._engine is not None
+        self._engine.init_process_group(**kwargs)
+        self._init_seconds = time.perf_counter() - t0
+
+    def _run_engine(self, trial: dict[str, Any], tensors: list[tuple[str, Any]]) -> None:
+        from verl_fastsync.chunks import aplan_buckets
+
+        engine = self._engine
+        assert engine is not None, "init the engine transport first"
+        try:
+            if self.role == "sender":
+                asyncio.run(engine.send(aplan_buckets(iter(tensors), trial["bucket_bytes"])))
+            else:
+                dest = dict(tensors)
+
+                async def consume() -> None:
+                    async for name, tensor in engine.receive():
+                        dest[name].copy_(tensor)
+
+                asyncio.run(consume())
+        finally:
+            engine.finalize()
+            self._engine = None
 
     def _gloo_group(self, trial: dict[str, Any]) -> Any:
         """A two-rank gloo group between this worker pair (sender rank 0), made once."""
@@ -676,7 +738,7 @@ class _Worker:
         bucket_mib = trial["bucket_bytes"] // MIB
         device_name = trial.get("device", "cpu")
         device = torch.device(device_name)
-        if trial["impl"] == "verl-gloo":
+        if trial["impl"] in ("verl-gloo", "fastsync-engine"):
             return (None, None)
         if trial["impl"] == "verl-shm":
             mod = self._verl
@@ -715,6 +777,8 @@ class _Worker:
             t_start = time.perf_counter()
             if trial["impl"] == "verl-gloo":
                 self._run_verl_gloo(trial, tensors)
+            elif trial["impl"] == "fastsync-engine":
+                self._run_engine(trial, tensors)
             elif self.role == "sender":
                 asyncio.run(make_sender().async_send_weights(iter(tensors)))
             else:
@@ -726,7 +790,13 @@ class _Worker:
 
                 make_receiver().receive_weights(on_bucket)
             t_end = time.perf_counter()
-        result: dict[str, Any] = {"t_start": t_start, "t_end": t_end, "peak_extra_bytes": rss.extra}
+        result: dict[str, Any] = {
+            "t_start": t_start,
+            "t_end": t_end,
+            "peak_extra_bytes": rss.extra,
+            "setup_seconds": self._init_seconds,
+        }
+        self._init_seconds = None
         if trial.get("verify", True):
             result["fingerprint"] = sum(fingerprint(t) for _, t in tensors)
             if self.role == "receiver":  # reset the destination for the next repeat
@@ -748,7 +818,13 @@ def _worker_main(role: str) -> None:
         try:
             if cmd.get("op") == "prepare":
                 worker.prepare(cmd["trial"])
-                _emit({"event": "prepared", "ok": True})
+                engine = cmd["trial"]["impl"] == "fastsync-engine"
+                extra = worker.prepare_engine(cmd["trial"]) if engine else {}
+                _emit({"event": "prepared", "ok": True, **extra})
+                continue
+            if cmd.get("op") == "init":
+                worker.init_engine(_unpack(cmd["kwargs"]))
+                _emit({"event": "initialised", "ok": True})
                 continue
             _emit({"event": "result", "ok": True, **worker.run(cmd["trial"])})
         except BaseException as exc:
@@ -969,20 +1045,36 @@ class _WorkerPair:
         readies = [child.recv() for child in (receiver, sender)]
         for ready in readies:
             if not ready["ok"]:
-                self.close()
-                self.sender = self.receiver = None
-                self.gloo_port = _free_port()
+                self._reset()
                 return ready
+        if trial.impl == "fastsync-engine":
+            # the driver's part of verl's checkpoint-engine lifecycle: build_topology, then
+            # init_process_group on both ranks at once
+            try:
+                from verl_fastsync import plugins
+
+                factory: Any = plugins.select_transport(plugins.plugin_manager(), trial.transport, "engine")
+                meta_r, meta_s = (_unpack(r["meta"]) for r in readies)
+                actor, rollout = factory.build_topology(1, 1, [meta_s, meta_r])
+                kwargs_s = {k: v[0] for k, v in actor.items()} | {"bucket_size": trial.bucket_bytes}
+                kwargs_r = {k: v[0] for k, v in rollout.items()} | {"bucket_size": trial.bucket_bytes}
+            except Exception as exc:
+                self._reset()
+                return {"ok": False, "error": f"build_topology: {type(exc).__name__}: {exc}"}
+            receiver.send({"op": "init", "kwargs": _pack(kwargs_r)})
+            sender.send({"op": "init", "kwargs": _pack(kwargs_s)})
+            for child in (receiver, sender):
+                ready = child.recv()
+                if not ready["ok"]:
+                    self._reset()
+                    return ready
         receiver.send({"op": "run", "trial": payload})
         sender.send({"op": "run", "trial": payload})
         s = sender.recv()
         if not s["ok"]:
             # the receiver waits for buckets that will never come: replace the pair (a gloo group
             # with a dead peer cannot be reused either)
-            receiver.kill()
-            sender.kill()
-            self.sender = self.receiver = None
-            self.gloo_port = _free_port()
+            self._reset()
             return s
         r = receiver.recv()
         if not r["ok"]:
@@ -993,7 +1085,16 @@ class _WorkerPair:
             "peak_sender": s["peak_extra_bytes"],
             "peak_receiver": r["peak_extra_bytes"],
             "verified": (s.get("fingerprint") == r.get("fingerprint")) if verify else None,
+            "setup_seconds": max(s.get("setup_seconds") or 0.0, r.get("setup_seconds") or 0.0),
         }
+
+    def _reset(self) -> None:
+        """Replace both processes (after a failure one of them may be blocked on the other)."""
+        for child in (self.sender, self.receiver):
+            if child is not None:
+                child.kill()
+        self.sender = self.receiver = None
+        self.gloo_port = _free_port()
 
     def close(self) -> None:
         for child in (self.sender, self.receiver):
@@ -1002,6 +1103,7 @@ class _WorkerPair:
 
 
 _NOTES = {
+    "fastsync-engine": "verl_fastsync engine transport (prepare/build_topology/init/send/receive/finalize)",
     "verl-gloo": "verl split_weight_chunks/merge_weight_chunks (its NCCL engine's bucketing) over gloo",
     "verl-shm": "verl BucketedWeightSender/Receiver(use_shm=True), CPU stand-in device",
     "fastsync-colocated": "verl_fastsync.colocated ColocatedSender/Receiver",
@@ -1023,6 +1125,7 @@ def _run_pair_rows(
             seconds: list[float] = []
             ps: list[int] = []
             pr: list[int] = []
+            setup: list[float] = []
             verified = True
             error = None
             label = "verl" if trial.impl.startswith("verl") else "fastsync"
@@ -1046,6 +1149,7 @@ def _run_pair_rows(
                     error = f"{label}: {res['error']}"
                     break  # failures here are deterministic (e.g. verl: a tensor larger than the bucket)
                 seconds.append(res["seconds"])
+                setup.append(res["setup_seconds"])
                 ps.append(res["peak_sender"])
                 pr.append(res["peak_receiver"])
                 if res["verified"] is not None:
@@ -1063,7 +1167,11 @@ def _run_pair_rows(
                     )
                 rows.append(_failed_row(trial, why, note=note))
             else:
-                rows.append(_ok_row(trial, seconds, ps, pr, memcpy, verified, note=note))
+                extra: dict[str, Any] = {"note": note}
+                if trial.impl == "fastsync-engine":
+                    # connect + allocate (init_process_group), outside `seconds`, once per sync
+                    extra["setup_seconds"] = statistics.median(setup)
+                rows.append(_ok_row(trial, seconds, ps, pr, memcpy, verified, **extra))
     finally:
         pair.close()
     return rows
@@ -1101,33 +1209,6 @@ def _available_fastsync(kind: str) -> list[str]:
         return []
 
 
-def _fastsync_engine_rows(
-    trials: list[_Trial], opts: BenchOptions, memcpy: float, progress: Callable[[str], None]
-) -> list[dict[str, Any]]:
-    """fastsync engine transports through the transports' own two-process harness
-    (``verl_fastsync.transports.bench_support.run_engine_transfer``), when it exists."""
-    rows = []
-    fn: Callable[..., Any] | None = None
-    missing = ""
-    try:
-        mod = importlib.import_module("verl_fastsync.transports.bench_support")
-        fn = getattr(mod, "run_engine_transfer", None)
-        if fn is None:
-            missing = "verl_fastsync.transports.bench_support has no run_engine_transfer"
-    except Exception as exc:
-        missing = f"verl_fastsync.transports.bench_support: {type(exc).__name__}: {exc}"
-    for trial in trials:
-        if fn is None:
-            rows.append(_failed_row(trial, f"not available: {missing}"))
-            continue
-        progress(
-            f"transfer: fastsync engine {trial.transport} {trial.model} {trial.size_bytes / MIB:.0f} MiB "
-            f"x{trial.pieces}, bucket {trial.bucket_bytes // MIB} MiB"
-        )
-        rows.append(_call_fastsync(fn, trial, opts, memcpy))
-    return rows
-
-
 def _run_rows(
     trials: list[_Trial], opts: BenchOptions, memcpy: float, progress: Callable[[str], None]
 ) -> list[dict[str, Any]]:
@@ -1137,11 +1218,9 @@ def _run_rows(
 
     groups: dict[str, list[tuple[int, _Trial]]] = {}
     for i, trial in enumerate(trials):
-        if trial.impl == "fastsync-engine":
-            key = "engine"
-        elif trial.impl == "verl-nixl":
+        if trial.impl == "verl-nixl":
             key = "verl-nixl"
-        elif trial.impl == "fastsync-colocated" and trial.transport == "ipc":
+        elif trial.transport in GPU_TRANSPORTS:
             key = "pair-device"
         else:
             key = "pair-cpu"
@@ -1149,9 +1228,7 @@ def _run_rows(
     results: list[dict[str, Any] | None] = [None] * len(trials)
     for key, items in groups.items():
         batch = [t for _, t in items]
-        if key == "engine":
-            rows = _fastsync_engine_rows(batch, opts, memcpy, progress)
-        elif key == "verl-nixl":
+        if key == "verl-nixl":
             progress("transfer: verl nixl (preparing verl's NIXL checkpoint engine on this host)")
             rows = _verl_nixl_rows(batch, opts)
         else:
@@ -1160,71 +1237,6 @@ def _run_rows(
         for (i, _), row in zip(items, rows, strict=True):
             results[i] = row
     return [r for r in results if r is not None]
-
-
-def _call_fastsync(
-    runner: Callable[..., Any], trial: _Trial, opts: BenchOptions, memcpy: float
-) -> dict[str, Any]:
-    """Call a transports harness and turn what it reports into a transfer row."""
-    from verl_fastsync.models import model_spec, split_spec
-
-    spec = model_spec(trial.model, trial.size_bytes)
-    if trial.pieces > 1:
-        spec = split_spec(spec, trial.pieces)
-    offered: dict[str, Any] = {
-        "transport": trial.transport,
-        "name": trial.transport,
-        "kind": trial.kind,
-        "spec": spec,
-        "model_spec": spec,
-        "model": spec,
-        "bucket_size": trial.bucket_bytes,
-        "bucket_bytes": trial.bucket_bytes,
-        "repeats": opts.repeats,
-        "seed": opts.seed,
-        "timeout_s": opts.timeout_s,
-        "timeout": opts.timeout_s,
-    }
-    try:
-        params = inspect.signature(runner).parameters
-        kwargs = {k: v for k, v in offered.items() if k in params}
-        result = runner(**kwargs)
-    except Exception as exc:
-        return _failed_row(trial, f"{type(exc).__name__}: {exc}")
-    return _row_from_result(trial, result, memcpy)
-
-
-def _get(result: Any, *names: str) -> Any:
-    for name in names:
-        if isinstance(result, dict) and name in result:
-            return result[name]
-        if hasattr(result, name):
-            return getattr(result, name)
-    return None
-
-
-def _row_from_result(trial: _Trial, result: Any, memcpy: float) -> dict[str, Any]:
-    error = _get(result, "error")
-    status = _get(result, "status")
-    if error or status == "failed":
-        return _failed_row(trial, str(error or "failed"))
-    seconds = _get(result, "seconds_list", "all_seconds", "repeat_seconds", "times")
-    if seconds is None:
-        one = _get(result, "seconds", "wall_seconds", "elapsed_s")
-        seconds = [one] if one is not None else None
-    if not seconds:
-        return _failed_row(trial, f"the harness reported no seconds: {result!r}"[:300])
-    ps = _get(result, "peak_sender_bytes", "sender_peak_bytes")
-    pr = _get(result, "peak_receiver_bytes", "receiver_peak_bytes")
-    verified = _get(result, "verified")
-    return _ok_row(
-        trial,
-        [float(s) for s in seconds],
-        [int(ps)] if ps is not None else [],
-        [int(pr)] if pr is not None else [],
-        memcpy,
-        bool(verified) if verified is not None else None,
-    )
 
 
 def _transport_plan(opts: BenchOptions) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
