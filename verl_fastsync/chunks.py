@@ -24,7 +24,8 @@ Splitting (sender)
     (sync or async iterable -> ``AsyncIterator[Bucket]``) wrap it.
     :class:`Bucket` - ``index``, ``chunks: list[tuple[ChunkMeta, torch.Tensor]]`` (metadata, source
     byte view) and ``nbytes`` (bytes used in the bucket buffer); iterating a bucket yields its chunks.
-    :func:`pack_bucket` copies a bucket's chunks into a ``uint8`` buffer (the only sender copy).
+    :func:`pack_bucket` copies a bucket's chunks into a ``uint8`` buffer (the only sender copy);
+    :func:`copy_bytes` is the byte copy used everywhere (memcpy on the host).
 
 Assembling (receiver)
     :class:`Assembler` - ``feed(meta, data)`` returns the tensors completed by this chunk;
@@ -65,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias, Union
 
 import msgspec
+import numpy as np
 import torch
 
 __all__ = [
@@ -87,6 +89,7 @@ __all__ = [
     "bucket_chunk_views",
     "byte_view",
     "chunk_checksum",
+    "copy_bytes",
     "dtype_to_str",
     "leading_slice_bytes",
     "pack_bucket",
@@ -414,6 +417,22 @@ def _unpack_item(item: object) -> tuple[str, torch.Tensor]:
     return name, tensor
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one flat ``uint8`` tensor into another of the same length.
+
+    Host to host: a plain single-threaded ``memcpy`` (numpy ``copyto``, GIL released). torch's
+    ``copy_`` splits large host copies over its OpenMP pool, which is several times slower than one
+    memcpy as soon as other processes share the cores (measured 1.1 vs 7 GB/s on a busy 2-core host).
+    Anything involving a device: ``copy_(non_blocking=True)``; callers synchronize before handing
+    the destination over.
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        if dst.numel():
+            np.copyto(dst.numpy(), src.numpy(), casting="no")
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
 def pack_bucket(bucket: Bucket, buffer: torch.Tensor) -> None:
     """Copy the bucket's chunks into ``buffer`` (a flat ``uint8`` tensor of at least ``nbytes``)."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
@@ -424,7 +443,7 @@ def pack_bucket(bucket: Bucket, buffer: torch.Tensor) -> None:
         )
     for meta, data in bucket.chunks:
         if meta.chunk_size:
-            buffer[meta.bucket_offset : meta.bucket_offset + meta.chunk_size].copy_(data, non_blocking=True)
+            copy_bytes(buffer[meta.bucket_offset : meta.bucket_offset + meta.chunk_size], data)
 
 
 def bucket_chunk_views(
@@ -571,7 +590,7 @@ class Assembler:
                 out = torch.empty(meta.shape, dtype=dtype, device=self.device)
                 self.allocated_bytes += meta.total_bytes
                 if meta.total_bytes:
-                    byte_view(out).copy_(data, non_blocking=True)
+                    copy_bytes(byte_view(out), data)
                 return [(name, out)]
             tensor = torch.empty(meta.shape, dtype=dtype, device=self.device)
             self.allocated_bytes += meta.total_bytes
@@ -603,7 +622,7 @@ class Assembler:
                 f"tensor {name!r}: chunk [{start}, {end}) overlaps bytes already received"
             )
         pending.intervals.insert(pos, (start, end))
-        pending.buffer[start:end].copy_(data, non_blocking=True)
+        copy_bytes(pending.buffer[start:end], data)
         pending.received += end - start
         if pending.received < meta.total_bytes:
             return []

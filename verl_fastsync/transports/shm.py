@@ -89,7 +89,9 @@ class _Segment:
                 raise TransportError(
                     f"shm transport: segment {name!r} is smaller than the bucket ({size} bytes)"
                 )
-            self.map: mmap.mmap | None = mmap.mmap(fd, size)
+            # MAP_POPULATE: fault the pages in now (init), not during the timed transfer
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
         except BaseException:
             if create:
                 _unlink_quietly(name)
