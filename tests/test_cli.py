@@ -399,3 +399,25 @@ def test_parse_overrides_uses_yaml_values() -> None:
     assert ignored == ["trainer.total_epochs"]
     with pytest.raises(doctor.OverrideError, match="allowed: \\[\\+\\|\\+\\+\\]key=value"):
         doctor.parse_overrides(["no-equals-sign"])
+
+
+def test_write_plot_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    doc = _minimal_doc()
+    ok = dict(doc["transfer"][0], status="ok", error=None, seconds=0.5, gbps=2.0, fraction_of_memcpy=0.2,
+              peak_sender_bytes=1 << 20, peak_receiver_bytes=2 << 20, kind="colocated")  # fmt: skip
+    doc["transfer"] = [ok, dict(ok, bucket_bytes=8, gbps=3.0), dict(ok, impl="fastsync")]
+    out = tmp_path / "plot.png"
+    bench.write_plot(doc, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(60)
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
+    fake = tmp_path / "matplotlib"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib (hidden)')\n")
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    proc = _run_cli("bench", "--plot", str(tmp_path / "x.png"), timeout=60, env={"PYTHONPATH": pythonpath})
+    assert proc.returncode == 2
+    assert "--plot needs matplotlib" in proc.stderr and "pip install matplotlib" in proc.stderr

@@ -1597,7 +1597,7 @@ def render_table(result: dict[str, Any]) -> str:
 
 
 def write_plot(result: dict[str, Any], path: str) -> None:
-    """GB/s and peak memory against bucket size, one line per (transport, impl, model)."""
+    """GB/s and peak memory against bucket size, one line per (transport, kind, impl, model)."""
     try:
         import matplotlib
 
@@ -1608,27 +1608,38 @@ def write_plot(result: dict[str, Any], path: str) -> None:
             f"--plot needs matplotlib ({exc}); install it with `pip install verl-fastsync[plot]` "
             "or `pip install matplotlib`"
         ) from exc
-    series: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    series: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for r in result["transfer"]:
         if r["status"] == "ok":
-            series.setdefault((r["transport"], r["impl"], r["model"]), []).append(r)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (transport, impl, model), rows in sorted(series.items()):
+            series.setdefault((r["transport"], r.get("kind", ""), r["impl"], r["model"]), []).append(r)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5))
+    paths = sorted({(t, k) for t, k, _, _ in series})
+    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(paths)}
+    markers = {m: "osD^v"[i % 5] for i, m in enumerate(sorted({m for *_, m in series}))}
+    for (transport, kind, impl, model), rows in sorted(series.items()):
         rows.sort(key=lambda r: r["bucket_bytes"])
         x = [r["bucket_bytes"] / MIB for r in rows]
-        label = f"{impl} {transport} ({model})"
-        ax1.plot(x, [r["gbps"] for r in rows], marker="o", label=label)
+        style = {
+            "color": colors[(transport, kind)],
+            "marker": markers[model],
+            "linestyle": "-" if impl == "fastsync" else "--",
+            "label": f"{impl} {transport} {kind} ({model})",
+        }
+        ax1.plot(x, [r["gbps"] for r in rows], **style)
         peak = [max(r["peak_sender_bytes"] or 0, r["peak_receiver_bytes"] or 0) / MIB for r in rows]
-        ax2.plot(x, peak, marker="o", label=label)
+        ax2.plot(x, peak, **style)
+    ax1.axhline(result["memcpy_gbps"], color="grey", linestyle=":", label="memcpy (same run)")
     for ax, ylabel in ((ax1, "GB/s"), (ax2, "peak extra MiB (max of sender, receiver)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bucket size (MiB)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-    ax1.axhline(result["memcpy_gbps"], color="grey", linestyle="--", label="memcpy")
-    ax1.legend(fontsize=7)
-    fig.suptitle(f"verl-fastsync bench (verl {result.get('verl_version')})")
-    fig.tight_layout()
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
+    fig.suptitle(
+        f"verl-fastsync bench (verl {result.get('verl_version')}): solid = fastsync, dashed = stock verl"
+    )
+    fig.subplots_adjust(left=0.05, right=0.74, wspace=0.25)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
