@@ -228,6 +228,32 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+class _DevicePeak:
+    """Peak bytes the device's caching allocator handed out above what was allocated at the start
+    (memory mapped from another process through CUDA IPC is not counted)."""
+
+    def __init__(self, device: str) -> None:
+        self.active = device.startswith("cuda")
+        self.extra = 0
+        self._start = 0
+
+    def __enter__(self) -> _DevicePeak:
+        if self.active:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            import torch
+
+            torch.cuda.synchronize()
+            self.extra = max(0, torch.cuda.max_memory_allocated() - self._start)
+
+
 def _malloc_trim() -> None:
     """glibc ``malloc_trim(0)``: return free heap memory to the OS (no-op elsewhere)."""
     try:
@@ -465,7 +491,8 @@ def _cleanup_child(heap_objects: int, repeats: int, policies: Sequence[str], cac
                     policy = plugins.select_cleanup(pm, boundary, policy_name)
                     if cached_mib and device_name != "cpu":
                         # leave freed blocks in the caching allocator, as a finished training step does
-                        blocks = [device_tensor(device_name, MIB) for _ in range(cached_mib)]
+                        count = max(1, cached_mib // 64)
+                        blocks = [device_tensor(device_name, 64 * MIB) for _ in range(count)]
                         del blocks
                     make_garbage(garbage)
                     record = run_boundary(boundary, policy_name, policy, device, config)
@@ -631,7 +658,7 @@ class _Worker:
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self._models: dict[tuple[str, float, int, int], list[tuple[str, Any]]] = {}
+        self._models: dict[tuple[str, float, int, int, str], list[tuple[str, Any]]] = {}
         self._verl: Any = None
         self._engine: Any = None
         self._init_seconds: float | None = None
@@ -639,13 +666,14 @@ class _Worker:
     def model(self, trial: dict[str, Any]) -> list[tuple[str, Any]]:
         from verl_fastsync.models import build_model, model_spec, split_spec
 
-        key = (trial["model"], trial["size_bytes"], trial["pieces"], trial["seed"])
+        device = trial.get("device", "cpu")
+        key = (trial["model"], trial["size_bytes"], trial["pieces"], trial["seed"], device)
         if key not in self._models:
             self._models.clear()
             spec = model_spec(trial["model"], trial["size_bytes"])
             if trial["pieces"] > 1:
                 spec = split_spec(spec, trial["pieces"])
-            tensors = build_model(spec, seed=trial["seed"])
+            tensors = build_model(spec, seed=trial["seed"], device=device)
             if self.role == "receiver":  # the rollout's own weights: the destination, zeroed
                 for _, t in tensors:
                     t.zero_()
@@ -773,7 +801,8 @@ class _Worker:
 
         tensors = self.prepare(trial)
         make_sender, make_receiver = self._endpoints(trial)
-        with _RssSampler() as rss:
+        device_peak = _DevicePeak(trial.get("device", "cpu"))
+        with _RssSampler() as rss, device_peak:
             t_start = time.perf_counter()
             if trial["impl"] == "verl-gloo":
                 self._run_verl_gloo(trial, tensors)
@@ -793,7 +822,8 @@ class _Worker:
         result: dict[str, Any] = {
             "t_start": t_start,
             "t_end": t_end,
-            "peak_extra_bytes": rss.extra,
+            # host RSS growth for host transfers; the caching allocator's peak for device ones
+            "peak_extra_bytes": device_peak.extra if device_peak.active else rss.extra,
             "setup_seconds": self._init_seconds,
         }
         self._init_seconds = None
@@ -853,7 +883,8 @@ def run_cleanup_section(
     """Cleanup rows (one per boundary x policy, medians over repeats) and section info."""
     progress(f"cleanup: building a {opts.heap_objects:,}-object heap in a child process")
     child = _Child(
-        ["_cleanup-child", str(opts.heap_objects), str(opts.repeats), ",".join(POLICIES), "0"], opts.timeout_s
+        ["_cleanup-child", str(opts.heap_objects), str(opts.repeats), ",".join(POLICIES), "1024"],
+        opts.timeout_s,
     )
     records: dict[tuple[str, str], list[dict[str, Any]]] = {}
     errors: dict[tuple[str, str], str] = {}
@@ -1529,7 +1560,8 @@ def render_table(result: dict[str, Any]) -> str:
         if not result[section]:
             continue
         parts.append(
-            f"\n{section.upper()}  (median of {result['options']['repeats']}; peaks = RSS above start)"
+            f"\n{section.upper()}  (median of {result['options']['repeats']}; "
+            "peaks: growth above start, host RSS / device allocator)"
         )
         rows = []
         for r in result[section]:
