@@ -62,6 +62,7 @@ __all__ = [
     "TransportFactory",
     "TransportOptions",
     "TransportTimeoutError",
+    "allocate_bucket_buffers",
     "base_topology",
 ]
 
@@ -592,6 +593,18 @@ class BufferedTransport(EngineTransport):
         stats.seconds = time.perf_counter() - start
         stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
         self.inflight = _InFlight()
+
+
+def allocate_bucket_buffers(
+    size: int, device: torch.device | str = "cpu", count: int = 2
+) -> list[torch.Tensor]:
+    """``count`` flat ``uint8`` bucket buffers. Host buffers are touched once here (pages faulted in
+    at ``init_process_group``, not during the timed transfer)."""
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+    for buffer in buffers:
+        if buffer.device.type == "cpu" and size:
+            buffer.numpy().fill(0)
+    return buffers
 
 
 async def _aiter(items: Iterable[Bucket] | AsyncIterable[Bucket]) -> AsyncIterator[Bucket]:

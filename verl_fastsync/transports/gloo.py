@@ -25,6 +25,7 @@ import torch.distributed as dist
 from verl_fastsync.transports.base import (
     BufferedTransport,
     TransportError,
+    allocate_bucket_buffers,
 )
 from verl_fastsync.wire import (
     WIRE_SCHEMA_VERSION,
@@ -110,7 +111,7 @@ class GlooTransport(BufferedTransport):
             )
         except RuntimeError as exc:
             raise self._wrap(exc, "the process group (all ranks)") from exc
-        self._bufs = [torch.empty(self.bucket_size, dtype=torch.uint8) for _ in range(2)]
+        self._bufs = allocate_bucket_buffers(self.bucket_size)
 
     def _close(self) -> None:
         pg, self._pg = self._pg, None

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from verl_fastsync.transports.base import TransportError
+from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers
 from verl_fastsync.transports.shm import ShmTransport
 from verl_fastsync.wire import BucketReady, Message, PeerBuffers, Welcome
 
@@ -102,7 +102,7 @@ class NixlTransport(ShmTransport):
     def _allocate(self) -> None:
         agent = self._ensure_agent()
         _mem_type, device, _dev_id = self._mem_type()
-        self._bufs = [torch.empty(self.bucket_size, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._bufs = allocate_bucket_buffers(self.bucket_size, device)
         self._reg = agent.register_memory(self._bufs)
 
     def _sender_setup(self) -> None:
