@@ -264,35 +264,57 @@ def _malloc_trim() -> None:
         pass
 
 
-class _RssSampler:
-    """Peak resident set size above a baseline, sampled from /proc/self/statm every millisecond."""
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
-    def __init__(self, interval_s: float = 0.001) -> None:
+
+class _RssSampler:
+    """Peak resident set size above the resident set at the start.
+
+    The kernel's high-water mark (``VmHWM``) is reset at the start (``/proc/self/clear_refs`` = 5)
+    and read at the end, so no spike is missed; where that reset is not allowed, ``VmRSS`` is sampled
+    every millisecond instead."""
+
+    def __init__(self, interval_s: float = 0.001, baseline: int | None = None) -> None:
         self.interval_s = interval_s
-        self.page = os.sysconf("SC_PAGE_SIZE")
         _malloc_trim()  # give freed heap pages back first, so reuse of them shows as growth
-        self.baseline = self.rss()
+        self.baseline = baseline if baseline is not None else (_status_bytes("VmRSS") or 0)
         self.peak = self.baseline
+        self._hwm = self._reset_hwm()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return False
+        return True
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            self.peak = max(self.peak, _status_bytes("VmRSS") or 0)
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> _RssSampler:
-        self._thread.start()
+        if not self._hwm:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.peak = max(self.peak, self.rss())
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join(timeout=5)
+        self.peak = max(self.peak, _status_bytes("VmHWM" if self._hwm else "VmRSS") or 0)
 
     @property
     def extra(self) -> int:
@@ -662,6 +684,9 @@ class _Worker:
         self._verl: Any = None
         self._engine: Any = None
         self._init_seconds: float | None = None
+        self._transport_peak: int | None = None
+        self._trial_id: str | None = None
+        self._trial_baseline: int | None = None
 
     def model(self, trial: dict[str, Any]) -> list[tuple[str, Any]]:
         from verl_fastsync.models import build_model, model_spec, split_spec
@@ -686,15 +711,29 @@ class _Worker:
         if trial["impl"] == "verl-shm":
             if self._verl is None:
                 self._verl = _load_verl_bucketed_module()
+                # imported by the sender on its first send: load it now, outside the measurement
+                importlib.import_module("verl.workers.rollout.utils")
         elif trial["impl"] == "fastsync-colocated":
             importlib.import_module("verl_fastsync.colocated")
         elif trial["impl"] == "verl-gloo":
             _verl_chunk_functions()  # raises on releases without them
             self._gloo_group(trial)
         elif trial["impl"] == "fastsync-engine":
-            pass
+            from verl_fastsync import plugins
+
+            factory = plugins.select_transport(plugins.plugin_manager(), trial["transport"], "engine")
+            getattr(factory, "load", lambda: None)()  # import the transport's module now
         else:
             raise RuntimeError(f"unknown worker impl {trial['impl']!r}")
+        if trial["zmq"] != self._trial_id:
+            # a new trial: free what the previous one kept between syncs (colocated slots), then
+            # take the memory baseline every run of this trial is measured against, so buffers a
+            # transport keeps from sync to sync count as its extra memory
+            if "verl_fastsync.colocated" in sys.modules:
+                sys.modules["verl_fastsync.colocated"].release_colocated_resources()
+            _malloc_trim()
+            self._trial_id = trial["zmq"]
+            self._trial_baseline = _status_bytes("VmRSS")
         return tensors
 
     def prepare_engine(self, trial: dict[str, Any]) -> dict[str, Any]:
@@ -726,7 +765,7 @@ class _Worker:
         assert engine is not None, "init the engine transport first"
         try:
             if self.role == "sender":
-                asyncio.run(engine.send(aplan_buckets(iter(tensors), trial["bucket_bytes"])))
+                stats = asyncio.run(engine.send(aplan_buckets(iter(tensors), trial["bucket_bytes"])))
             else:
                 dest = dict(tensors)
 
@@ -735,6 +774,8 @@ class _Worker:
                         dest[name].copy_(tensor)
 
                 asyncio.run(consume())
+                stats = engine.last_stats
+            self._transport_peak = getattr(stats, "peak_extra_bytes", None)
         finally:
             engine.finalize()
             self._engine = None
@@ -802,7 +843,7 @@ class _Worker:
         tensors = self.prepare(trial)
         make_sender, make_receiver = self._endpoints(trial)
         device_peak = _DevicePeak(trial.get("device", "cpu"))
-        with _RssSampler() as rss, device_peak:
+        with _RssSampler(baseline=self._trial_baseline) as rss, device_peak:
             t_start = time.perf_counter()
             if trial["impl"] == "verl-gloo":
                 self._run_verl_gloo(trial, tensors)
@@ -825,8 +866,9 @@ class _Worker:
             # host RSS growth for host transfers; the caching allocator's peak for device ones
             "peak_extra_bytes": device_peak.extra if device_peak.active else rss.extra,
             "setup_seconds": self._init_seconds,
+            "transport_peak_bytes": self._transport_peak,
         }
-        self._init_seconds = None
+        self._init_seconds = self._transport_peak = None
         if trial.get("verify", True):
             result["fingerprint"] = sum(fingerprint(t) for _, t in tensors)
             if self.role == "receiver":  # reset the destination for the next repeat
@@ -1117,6 +1159,8 @@ class _WorkerPair:
             "peak_receiver": r["peak_extra_bytes"],
             "verified": (s.get("fingerprint") == r.get("fingerprint")) if verify else None,
             "setup_seconds": max(s.get("setup_seconds") or 0.0, r.get("setup_seconds") or 0.0),
+            "transport_peak_sender": s.get("transport_peak_bytes"),
+            "transport_peak_receiver": r.get("transport_peak_bytes"),
         }
 
     def _reset(self) -> None:
@@ -1157,20 +1201,23 @@ def _run_pair_rows(
             ps: list[int] = []
             pr: list[int] = []
             setup: list[float] = []
+            tps: list[int | None] = []
+            tpr: list[int | None] = []
             verified = True
             error = None
             label = "verl" if trial.impl.startswith("verl") else "fastsync"
             # one socket path per trial, reused by its repeats (as a trainer reuses it every sync)
             zmq = f"ipc://{tempfile.gettempdir()}/verl-fastsync-bench-{uuid.uuid4().hex[:12]}.sock"
-            for rep in range(opts.repeats):
+            for rep in range(opts.repeats + 1):
                 progress(
                     f"transfer: {label} {trial.kind} {trial.transport} {trial.model} "
                     f"{trial.size_bytes / MIB:.0f} MiB x{trial.pieces}, "
                     f"bucket {trial.bucket_bytes // MIB} MiB, "
-                    f"repeat {rep + 1}/{opts.repeats}"
+                    + (f"repeat {rep}/{opts.repeats}" if rep else "warm-up + byte check")
                 )
                 try:
-                    # the first repeat checks the received bytes (the destination starts zeroed)
+                    # run 0 is an untimed warm-up (the steady state is every sync after the first)
+                    # that checks the received bytes (the destination starts zeroed)
                     res = pair.run(trial, opts.seed, zmq, device, verify=rep == 0)
                 except (TimeoutError, RuntimeError) as exc:
                     pair.close()
@@ -1179,12 +1226,16 @@ def _run_pair_rows(
                 if not res["ok"]:
                     error = f"{label}: {res['error']}"
                     break  # failures here are deterministic (e.g. verl: a tensor larger than the bucket)
+                if res["verified"] is not None:
+                    verified = verified and res["verified"]
+                if rep == 0:
+                    continue
                 seconds.append(res["seconds"])
                 setup.append(res["setup_seconds"])
                 ps.append(res["peak_sender"])
                 pr.append(res["peak_receiver"])
-                if res["verified"] is not None:
-                    verified = verified and res["verified"]
+                tps.append(res["transport_peak_sender"])
+                tpr.append(res["transport_peak_receiver"])
             note = _NOTES.get(trial.impl, trial.impl)
             if error is not None:
                 rows.append(_failed_row(trial, error, note=note))
@@ -1202,6 +1253,10 @@ def _run_pair_rows(
                 if trial.impl == "fastsync-engine":
                     # connect + allocate (init_process_group), outside `seconds`, once per sync
                     extra["setup_seconds"] = statistics.median(setup)
+                    # the transport's own accounting (bucket buffers + incomplete tensors)
+                    for key, values in (("sender", tps), ("receiver", tpr)):
+                        known = [x for x in values if x is not None]
+                        extra[f"transport_peak_{key}_bytes"] = max(known) if known else None
                 rows.append(_ok_row(trial, seconds, ps, pr, memcpy, verified, **extra))
     finally:
         pair.close()
