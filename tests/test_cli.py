@@ -421,3 +421,20 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
     proc = _run_cli("bench", "--plot", str(tmp_path / "x.png"), timeout=60, env={"PYTHONPATH": pythonpath})
     assert proc.returncode == 2
     assert "--plot needs matplotlib" in proc.stderr and "pip install matplotlib" in proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_doctor_engine_transport_override() -> None:
+    import torch
+
+    key = doctor.ENGINE_KEY_PREFIX + ".transport"
+    rc, report, _ = _doctor_json(f"+{key}=bogus")
+    assert rc == 1
+    assert any(f"{key}='bogus'" in p and "unknown engine transport" in p for p in report["problems"])
+    rc, report, _ = _doctor_json(f"+{key}=gloo")
+    assert rc == 0, report["problems"]
+    assert report["engine_kwargs"] == {"transport": "gloo"}
+    if not torch.cuda.is_available():
+        rc, report, _ = _doctor_json(f"+{key}=nccl")
+        assert rc == 1
+        assert any(f"{key}='nccl' cannot work here" in p for p in report["problems"]), report["problems"]

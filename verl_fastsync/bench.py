@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -1566,10 +1567,11 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-def _short(error: str | None, width: int = 70) -> str:
+def _short(error: str | None, width: int = 120) -> str:
     if not error:
         return ""
     error = " ".join(error.split())
+    error = re.sub(r"torch\.Size\((\[[^\]]*\])\)", r"\1", error).replace("torch.", "")
     return error if len(error) <= width else error[: width - 3] + "..."
 
 
