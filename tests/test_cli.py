@@ -438,3 +438,31 @@ def test_doctor_engine_transport_override() -> None:
         rc, report, _ = _doctor_json(f"+{key}=nccl")
         assert rc == 1
         assert any(f"{key}='nccl' cannot work here" in p for p in report["problems"]), report["problems"]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(30)
+def test_gpu_check_script_is_valid_bash() -> None:
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=20)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+@pytest.mark.timeout(120)
+def test_gpu_cleanup_check_runs_without_cuda(tmp_path: Path) -> None:
+    """The Python part of the GPU check imports and runs on a host without CUDA (device cpu)."""
+    out = tmp_path / "cleanup.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_cleanup_check.py"), "--out", str(out),
+         "--heap-objects", "3000", "--repeats", "1", "--cached-mib", "64", "--cycle-mib", "2"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = {(r["boundary"], r["policy"], r["cycle_mib"]) for r in doc["rows"]}
+    assert ("pre_resume_cleanup", "aggressive", 2) in rows and ("post_transfer_cleanup", "light", 0) in rows
+    assert all(r["gc_ran"] == (r["policy"] == "aggressive") for r in doc["rows"] if doc["device"] == "cpu")
