@@ -106,10 +106,13 @@ class BenchOptions:
             if s not in allowed:
                 raise BenchOptionError(f"--sections {s!r}: unknown section; allowed: {', '.join(allowed)}")
         if self.transports is not None:
+            # any registered name works (third-party transports too); these are the built-in ones
             known = CPU_TRANSPORTS + GPU_TRANSPORTS
             for t in self.transports:
-                if t not in known:
-                    raise BenchOptionError(f"--transports {t!r}: unknown; allowed: {', '.join(known)}")
+                if not t or not t.replace("-", "").replace("_", "").isalnum():
+                    raise BenchOptionError(
+                        f"--transports {t!r}: not a transport name; built-in: {', '.join(known)}"
+                    )
         if any(p < 1 for p in self.scale_pieces) or any(s <= 0 for s in self.scale_sizes):
             raise BenchOptionError("--scale-sizes and --scale-pieces must be positive")
         if self.timeout_s <= 0:
@@ -1609,10 +1612,13 @@ def render_table(result: dict[str, Any]) -> str:
             _table(["boundary", "policy", "ms", "min-max", "gc_ran", "collected", "freed", "error"], rows)
         )
         ratios = info.get("aggressive_over_light", {})
-        parts.append(
-            "aggressive/light seconds: "
-            + ", ".join(f"{b}: {'-' if v is None else f'{v:.1f}x'}" for b, v in ratios.items())
-        )
+        extra = {}
+        for b in ratios:
+            by = {r["policy"]: r for r in result["cleanup"] if r["boundary"] == b and r["status"] == "ok"}
+            if "light" in by and "aggressive" in by:
+                extra[b] = f" (+{by['aggressive']['seconds'] - by['light']['seconds']:.3f} s per call)"
+        shown = [f"{b}: {'-' if v is None else f'{v:.1f}x'}{extra.get(b, '')}" for b, v in ratios.items()]
+        parts.append("aggressive/light seconds: " + ", ".join(shown))
     for section in ("transfer", "scale"):
         if not result[section]:
             continue
