@@ -1574,7 +1574,8 @@ def _short(error: str | None, width: int = 120) -> str:
     if not error:
         return ""
     error = " ".join(error.split())
-    error = re.sub(r"torch\.Size\((\[[^\]]*\])\)", r"\1", error).replace("torch.", "")
+    error = re.sub(r"torch\.Size\((\[[^\]]*\])\)", r"\1", error)
+    error = re.sub(r"\btorch\.(bfloat16|float16|float32|float64|u?int\d+|bool)\b", r"\1", error)
     return error if len(error) <= width else error[: width - 3] + "..."
 
 
