@@ -21,6 +21,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -229,8 +230,27 @@ class _Worker:
         self.new()
 
 
-def _worker_main(conn: Connection, mode: str, transport: str, ctor: dict[str, Any], role: str) -> None:
+def _log_segments(path: str) -> None:
+    """Record the name of every shared-memory segment this process creates or maps (leak checks
+    must not depend on other processes using /dev/shm at the same time)."""
+    from verl_fastsync.transports import shm
+
+    original = shm._Segment.__init__
+
+    def init(self: Any, name: str, size: int, create: bool) -> None:
+        with open(path, "a") as fh:
+            fh.write(name + "\n")
+        original(self, name, size, create)
+
+    shm._Segment.__init__ = init  # type: ignore[method-assign]
+
+
+def _worker_main(
+    conn: Connection, mode: str, transport: str, ctor: dict[str, Any], role: str, segment_log: str = ""
+) -> None:
     sys.path.insert(0, ROOT)
+    if segment_log:
+        _log_segments(segment_log)
     worker = _Worker(mode, transport, ctor, role)
     while True:
         try:
@@ -277,6 +297,8 @@ class Cluster:
         self.n_actor, self.n_rollout = n_actor, n_rollout
         ctx = mp.get_context("spawn")
         ctor = dict(ctor or {})
+        fd, self.segment_log = tempfile.mkstemp(prefix="fastsync-segments-")
+        os.close(fd)
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.labels: list[str] = []
@@ -291,7 +313,14 @@ class Cluster:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(child, mode, transport, rank_ctor, "trainer" if i < n_actor else "rollout"),
+                args=(
+                    child,
+                    mode,
+                    transport,
+                    rank_ctor,
+                    "trainer" if i < n_actor else "rollout",
+                    self.segment_log,
+                ),
                 daemon=True,
             )
             proc.start()
@@ -397,11 +426,21 @@ class Cluster:
                 proc.kill()
                 proc.join(timeout=5)
 
+    def leaked_segments(self) -> set[str]:
+        """Segments created or mapped by this cluster's processes that still exist in /dev/shm."""
+        with open(self.segment_log) as fh:
+            names = {line.strip() for line in fh if line.strip()}
+        return {name for name in names if os.path.exists(os.path.join("/dev/shm", name))}
+
     def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        leaked = self.leaked_segments()
+        os.unlink(self.segment_log)
+        if exc[0] is None:
+            assert not leaked, f"shared-memory segments left in /dev/shm: {sorted(leaked)}"
 
 
 def shm_segments() -> set[str]:

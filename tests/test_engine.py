@@ -13,7 +13,7 @@ import inspect
 from typing import Any
 
 import pytest
-from _transport_harness import Cluster, TensorSpec, expected_digests, shm_segments, synthetic_model  # type: ignore[import-not-found]
+from _transport_harness import Cluster, TensorSpec, expected_digests, synthetic_model  # type: ignore[import-not-found]
 
 pytestmark = pytest.mark.verl
 
@@ -120,7 +120,6 @@ def test_engine_protocol_end_to_end(engine_cls: Any) -> None:
     verl's registry; shm over bucket sizes 1 KiB..> model, verify on, auto bucket; then gloo, nixl."""
     model = synthetic_model(4096, dtypes=("float32", "bfloat16", "float8_e4m3fn"))
     expected = expected_digests(model)
-    before = shm_segments()
     ctor = {"bucket_size": 4096, "timeout_s": 60}
     with Cluster("shm", n_actor=2, n_rollout=1, mode="engine", ctor=ctor, timeout=90) as cluster:
         runs: list[tuple[str, dict[str, Any]]] = [
@@ -144,7 +143,7 @@ def test_engine_protocol_end_to_end(engine_cls: Any) -> None:
             assert metrics["fastsync/transfer/tensors"] == len(model)
             bucket = metrics["fastsync/transfer/bucket_size"]
             assert metrics["fastsync/transfer/peak_extra_bytes_sender"] <= 2 * bucket
-    assert shm_segments() - before == set()
+        assert cluster.leaked_segments() == set()
 
 
 def test_sender_metrics_shape_matches_release(engine_cls: Any) -> None:

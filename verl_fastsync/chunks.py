@@ -66,8 +66,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias, Union
 
 import msgspec
-import numpy as np
 import torch
+
+try:  # numpy ships with every verl install; without it host copies fall back to torch
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
 
 __all__ = [
     "BUCKET_ALIGN",
@@ -426,7 +430,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     Anything involving a device: ``copy_(non_blocking=True)``; callers synchronize before handing
     the destination over.
     """
-    if dst.device.type == "cpu" and src.device.type == "cpu":
+    if np is not None and dst.device.type == "cpu" and src.device.type == "cpu":
         if dst.numel():
             np.copyto(dst.numpy(), src.numpy(), casting="no")
     else:

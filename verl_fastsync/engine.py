@@ -225,9 +225,14 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             "transport": self.transport_name,
             "is_master": self.is_master,
             "bucket_size": self.bucket_size,
-            "free_bytes": free_memory_bytes(self.options.device) if self.bucket_size is None else None,
+            "free_bytes": free_memory_bytes(self._buffer_device()) if self.bucket_size is None else None,
             "transport_meta": self.transport.prepare(),
         }
+
+    def _buffer_device(self) -> str:
+        """Where this rank's bucket buffers live (``auto`` sizes against that memory)."""
+        device = getattr(self.transport, "buffer_device", None)
+        return str(device()) if callable(device) else self.options.device
 
     @classmethod
     def build_topology(

@@ -81,6 +81,13 @@ class NcclTransport(ShmTransport):
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 
+    def buffer_device(self) -> str:
+        """Bucket buffers live on the current CUDA device (``bucket_bytes=auto`` sizes against it)."""
+        device = torch.device(self.options.device)
+        if device.type == "cuda":
+            return str(device)
+        return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
     def _connect(self, **kwargs: Any) -> None:
         self._device = self._cuda_device()
         super()._connect(**kwargs)
