@@ -237,14 +237,18 @@ def test_persistent_slots_reused_and_reallocated_on_size_change(handle: str) -> 
 @pytest.mark.timeout(30)
 def test_receiver_timeout_names_peer_and_phase(handle: str) -> None:
     receiver = ColocatedReceiver(handle, "cpu", timeout_s=0.3)
-    with pytest.raises(ColocatedTimeoutError, match=r"waiting for the sender at ipc://.*phase=hello"):
+    with pytest.raises(
+        ColocatedTimeoutError, match=r"(waiting for|sending to) the sender at ipc://.*phase=hello"
+    ):
         receiver.receive_weights(lambda batch, is_last: None)
 
 
 @pytest.mark.timeout(30)
 def test_sender_timeout_names_peer_and_phase(handle: str) -> None:
     sender = ColocatedSender(handle, bucket_size_mb=1, use_shm=True, timeout_s=0.3)
-    with pytest.raises(ColocatedTimeoutError, match=r"receiver at ipc://.*phase=hello"):
+    with pytest.raises(
+        ColocatedTimeoutError, match=r"(waiting for|sending to) the receiver at ipc://.*phase=hello"
+    ):
         asyncio.run(sender.async_send_weights(iter(harness.make_weights("small"))))
 
 

@@ -86,11 +86,14 @@ import msgspec
 import torch
 
 from verl_fastsync.chunks import (
+    BUCKET_ALIGN,
     Assembler,
     Bucket,
-    BucketPlanner,
     ChunkMeta,
+    DuplicateTensorError,
     bucket_chunk_views,
+    byte_view,
+    dtype_to_str,
     leading_slice_bytes,
     pack_bucket,
     str_to_dtype,
@@ -184,6 +187,13 @@ class SlotDesc(msgspec.Struct, frozen=True, kw_only=True):
     ipc: IpcHandle | None = None
 
 
+class Ready(msgspec.Struct, tag="ready", kw_only=True):
+    """Receiver -> sender, resent until the hello arrives: "this routing id receives this sync"."""
+
+    schema_version: int
+    receiver_pid: int
+
+
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
     schema_version: int
     sync_id: str
@@ -221,7 +231,7 @@ class Abort(msgspec.Struct, tag="abort", kw_only=True):
     reason: str
 
 
-Message = Union[Hello, HelloAck, BucketMsg, Ack, Abort]  # noqa: UP007 (a runtime value for msgspec)
+Message = Union[Ready, Hello, HelloAck, BucketMsg, Ack, Abort]  # noqa: UP007 (a runtime value for msgspec)
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
@@ -287,6 +297,85 @@ def expert_alignment(name: str, tensor: torch.Tensor) -> int | None:
     if tensor.dim() >= 2 and tensor.shape[0] > 1 and _EXPERT_STACKED.search(name):
         return leading_slice_bytes(tensor)
     return None
+
+
+class WholeTensorPlanner:
+    """Bucket planner of the colocated path: a tensor that fits in a bucket is never split (it
+    starts a new bucket when the current one has no room for it), so the receiver hands it over as
+    a view into the slot with no merge copy; only a tensor larger than a bucket is chunked, on
+    expert boundaries for stacked MoE tensors (:func:`expert_alignment`). Its first chunk fills the
+    room left in the current bucket. Emits :class:`~verl_fastsync.chunks.Bucket` objects of
+    :class:`~verl_fastsync.chunks.ChunkMeta` like the chunk core's planner.
+    """
+
+    def __init__(self, bucket_size: int) -> None:
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise ValueError(f"bucket_size must be a positive int (bytes), got {bucket_size!r}")
+        self.bucket_size = bucket_size
+        self._bucket = Bucket(index=0)
+        self._offset = 0
+        self._names: set[str] = set()
+        self.num_tensors = 0
+        self.total_bytes = 0
+
+    def _close(self, out: list[Bucket]) -> None:
+        if self._bucket.chunks:
+            out.append(self._bucket)
+            self._bucket = Bucket(index=self._bucket.index + 1)
+        self._offset = 0
+
+    def _place(self, meta_fields: dict[str, Any], data: torch.Tensor, start: int, n: int, at: int) -> None:
+        meta = ChunkMeta(chunk_offset=start, chunk_size=n, bucket_offset=at, **meta_fields)
+        self._bucket.chunks.append((meta, data[start : start + n]))
+        self._offset = at + n
+        self._bucket.nbytes = self._offset
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[Bucket]:
+        """Plan one tensor; return the buckets it completed."""
+        if name in self._names:
+            raise DuplicateTensorError(f"tensor {name!r} appears twice in one weight sync")
+        self._names.add(name)
+        data = byte_view(tensor)
+        total = data.numel()
+        fields: dict[str, Any] = {
+            "name": name,
+            "shape": tuple(int(s) for s in tensor.shape),
+            "dtype": dtype_to_str(tensor.dtype),
+            "total_bytes": total,
+            "tensor_index": self.num_tensors,
+        }
+        self.num_tensors += 1
+        self.total_bytes += total
+        size = self.bucket_size
+        out: list[Bucket] = []
+        at = -(-self._offset // BUCKET_ALIGN) * BUCKET_ALIGN
+        if total <= size:
+            if at + total > size:
+                self._close(out)
+                at = 0
+            self._place(fields, data, 0, total, at)
+            return out
+        unit = expert_alignment(name, tensor) or 1
+        if unit > size:
+            unit = 1  # one expert does not fit in a bucket: plain byte chunks
+        done = 0
+        while done < total:
+            at = -(-self._offset // BUCKET_ALIGN) * BUCKET_ALIGN
+            n = min(total - done, ((size - at) // unit) * unit if at < size else 0)
+            if n <= 0:
+                self._close(out)
+                continue
+            self._place(fields, data, done, n, at)
+            done += n
+            if self._offset >= size:
+                self._close(out)
+        return out
+
+    def finish(self) -> list[Bucket]:
+        """The last partial bucket, if any."""
+        out: list[Bucket] = []
+        self._close(out)
+        return out
 
 
 def _device_module(device_type: str) -> Any:
@@ -670,7 +759,11 @@ def _remove_path(zmq_handle: str) -> None:
 
 
 class _Channel:
-    """A PAIR socket with timeouts and typed messages."""
+    """One sync's control channel: the sender binds a ROUTER, the receiver connects a DEALER with a
+    fresh routing id and announces itself with :class:`Ready` (resent until the hello arrives). The
+    sender talks only to the routing id it chose, so a receiver of an earlier sync that is still
+    closing, or a connection to a sender that is going away, cannot take a message of this sync.
+    Every wait has a timeout; messages are msgspec-encoded :data:`Message` structs."""
 
     def __init__(self, zmq_handle: str, role: str, timeout_s: float, bind: bool) -> None:
         import zmq
@@ -685,17 +778,25 @@ class _Channel:
         self.peer = "receiver" if role == "sender" else "sender"
         self.timeout_s = timeout_s
         self.bound = bind
-        self.socket: Any = zmq.Context.instance().socket(zmq.PAIR)
-        self.socket.setsockopt(zmq.LINGER, 0)
+        self.peer_id: bytes | None = None  # sender: the routing id of this sync's receiver
+        self.peer_locked = False  # sender: set once that receiver acknowledged the hello
         self.early: list[Message] = []  # messages read while waiting to send
+        ctx: Any = zmq.Context.instance()
+        self.socket: Any = ctx.socket(zmq.ROUTER if bind else zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
         try:
             if bind:
+                self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 _remove_path(zmq_handle)
                 self.socket.bind(zmq_handle)
                 path = _ipc_path(zmq_handle)
                 if path:
                     os.chmod(path, 0o600)
             else:
+                self.socket.setsockopt(zmq.ROUTING_ID, b"r" + uuid.uuid4().bytes)
+                # the sender binds per sync, usually after we connect: retry every millisecond, not
+                # zmq's default 100 ms (which would be added to every sync)
+                self.socket.setsockopt(zmq.RECONNECT_IVL, 1)
                 self.socket.connect(zmq_handle)
         except BaseException:
             self.socket.close(0)
@@ -711,45 +812,84 @@ class _Channel:
             f"tensors in flight=[{shown}]"
         )
 
+    def _timeout(
+        self, doing: str, phase: str, seq: int | None, tensors: Iterable[str]
+    ) -> ColocatedTimeoutError:
+        return ColocatedTimeoutError(
+            f"verl-fastsync {self.role}: timed out after {self.timeout_s:.0f}s {doing} the "
+            f"{self._where(phase, seq, tensors)}. Is the peer running with {ENV_ENABLE} set the same "
+            f"way (fastsync on both sides or on neither)?"
+        )
+
     def send(self, msg: Message, phase: str, seq: int | None = None, tensors: Iterable[str] = ()) -> None:
         """Send ``msg``; while the peer cannot take it, read what it sent meanwhile, so that an error
         ack or an abort from a peer that has gone away surfaces at once instead of as a timeout."""
-        data = _ENCODER.encode(msg)
         zmq = self._zmq
+        frames = [_ENCODER.encode(msg)]
+        if self.bound:
+            if self.peer_id is None:
+                raise ColocatedProtocolError("verl-fastsync sender: no receiver has announced itself yet")
+            frames.insert(0, self.peer_id)
         deadline = time.monotonic() + self.timeout_s
         while True:
+            try:
+                self.socket.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                # the receiver's connection is gone; it may have left an error ack behind
+                while self.socket.poll(0, zmq.POLLIN):
+                    self._stash_or_raise(phase, seq, tensors)
+                if time.monotonic() >= deadline:
+                    raise ColocatedError(
+                        f"verl-fastsync {self.role}: the {self._where(phase, seq, tensors)} went away"
+                    ) from None
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            events = self.socket.poll(left_ms, zmq.POLLIN | zmq.POLLOUT)
-            if events & zmq.POLLOUT:
-                try:
-                    self.socket.send(data, zmq.NOBLOCK)
-                    return
-                except zmq.Again:
-                    pass
+            events = self.socket.poll(min(left_ms, 50), zmq.POLLIN | zmq.POLLOUT)
             if events & zmq.POLLIN:
-                early = self._recv_now(phase, seq, tensors)
-                if isinstance(early, Abort) or (isinstance(early, Ack) and early.error is not None):
-                    self.early.insert(0, early)  # the caller's next recv() raises with the details
-                    raise _PeerFailed()
-                self.early.append(early)
-                continue
+                self._stash_or_raise(phase, seq, tensors)
             if time.monotonic() >= deadline:
-                raise ColocatedTimeoutError(
-                    f"verl-fastsync {self.role}: timed out after {self.timeout_s:.0f}s sending to the "
-                    f"{self._where(phase, seq, tensors)}. Is the peer running with {ENV_ENABLE} set the same "
-                    f"way (fastsync on both sides or on neither)?"
-                )
+                raise self._timeout("sending to", phase, seq, tensors)
 
-    def recv(self, phase: str, seq: int | None = None, tensors: Iterable[str] = ()) -> Message:
+    def send_nowait(self, msg: Message) -> None:
+        """Best effort, never blocks (an abort on the way out)."""
+        frames = [_ENCODER.encode(msg)]
+        if self.bound:
+            if self.peer_id is None:
+                return
+            frames.insert(0, self.peer_id)
+        self.socket.send_multipart(frames, self._zmq.NOBLOCK)
+
+    def _stash_or_raise(self, phase: str, seq: int | None, tensors: Iterable[str]) -> None:
+        early = self._recv_now(phase, seq, tensors)
+        if early is None:
+            return
+        if isinstance(early, Abort) or (isinstance(early, Ack) and early.error is not None):
+            self.early.insert(0, early)  # the caller turns _PeerFailed into the peer's error
+            raise _PeerFailed()
+        self.early.append(early)
+
+    def recv_within(self, window_s: float, phase: str) -> Message | None:
+        """Like :meth:`recv`, but ``None`` when nothing (for this sync) arrives within ``window_s``."""
         if self.early:
             return self.early.pop(0)
-        if not self.socket.poll(int(self.timeout_s * 1000), self._zmq.POLLIN):
-            raise ColocatedTimeoutError(
-                f"verl-fastsync {self.role}: timed out after {self.timeout_s:.0f}s waiting for the "
-                f"{self._where(phase, seq, tensors)}. Is the peer running with {ENV_ENABLE} set the same "
-                f"way (fastsync on both sides or on neither)?"
-            )
-        return self._recv_now(phase, seq, tensors)
+        deadline = time.monotonic() + window_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(left_ms, self._zmq.POLLIN):
+                return None
+            msg = self._recv_now(phase, None, ())
+            if msg is not None:
+                return msg
+
+    def recv(self, phase: str, seq: int | None = None, tensors: Iterable[str] = ()) -> Message:
+        msg = self.recv_within(self.timeout_s, phase)
+        if msg is None:
+            raise self._timeout("waiting for", phase, seq, tensors)
+        return msg
 
     def peer_failure(self) -> ColocatedError:
         """The error for a failure the peer reported while we were sending (see :meth:`send`)."""
@@ -762,8 +902,18 @@ class _Channel:
             )
         return ColocatedProtocolError(f"verl-fastsync {self.role}: the {self.peer} failed")
 
-    def _recv_now(self, phase: str, seq: int | None, tensors: Iterable[str]) -> Message:
-        raw = self.socket.recv()
+    def _recv_now(self, phase: str, seq: int | None, tensors: Iterable[str]) -> Message | None:
+        """Read one message; ``None`` for one that is not from this sync's peer (ignored)."""
+        frames = self.socket.recv_multipart()
+        sender_id: bytes | None = None
+        if self.bound:
+            if len(frames) != 2:
+                return None
+            sender_id, raw = frames
+        elif len(frames) != 1:
+            return None
+        else:
+            raw = frames[0]
         try:
             msg = _DECODER.decode(raw)
         except msgspec.DecodeError as exc:
@@ -776,13 +926,29 @@ class _Channel:
                 f"verl-fastsync {self.role}: the {self.peer} speaks schema version {msg.schema_version}, "
                 f"this side {SCHEMA_VERSION}; install the same verl-fastsync version in both processes"
             )
+        if self.bound:
+            if isinstance(msg, Ready):
+                if self.peer_locked:
+                    return None  # the next sync's receiver, early: not ours
+                self.peer_id = sender_id  # during the handshake the newest receiver wins
+                return msg
+            if sender_id != self.peer_id:
+                return None  # a receiver of an earlier sync
         return msg
 
     def close(self) -> None:
-        self.socket.close(0)
+        # no disconnect() first: it would drop the last ack still queued. A closing receiver that
+        # reconnects to the next sync's sender is ignored there (another routing id).
+        # let a last ack or abort leave before the socket goes (close does not block on it)
+        self.socket.close(_LINGER_MS)
         if self.bound:
             _remove_path(self.zmq_handle)
 
+
+_LINGER_MS = 2000
+HELLO_RESEND_S = 0.25
+"""The sender resends its hello (idempotent, keyed by sync id) this often until it is acknowledged:
+a receiver of the previous sync that is still closing may reconnect and take the first copy."""
 
 EventHook = Callable[[str, dict[str, Any]], None]
 """Optional tracer: ``hook(event, fields)``; events ``pack``, ``fence``, ``send``, ``ack`` (sender),
@@ -817,7 +983,7 @@ class ColocatedSender:
     def __init__(
         self,
         zmq_handle: str,
-        bucket_size_mb: int = 512,
+        bucket_size_mb: float = 512,
         use_shm: bool = False,
         *,
         transport: str | None = None,
@@ -871,7 +1037,7 @@ class ColocatedSender:
         slots = _sender_slots(self.zmq_handle, self.transport, self.bucket_size, self._make_memory)
         sync_id = uuid.uuid4().hex[:12]
         channel = _Channel(self.zmq_handle, "sender", self.timeout_s, bind=True)
-        planner = BucketPlanner(self.bucket_size, align=expert_alignment, allow_empty=True)
+        planner = WholeTensorPlanner(self.bucket_size)
         inflight: dict[int, tuple[int, list[str]]] = {}  # slot -> (seq, tensor names)
         held: tuple[int, int, list[ChunkMeta]] | None = None
         stats = {"slot_waits": 0, "slot_wait_s": 0.0, "chunked": 0, "buckets": 0}
@@ -883,6 +1049,8 @@ class ColocatedSender:
             t0 = time.perf_counter()
             waited = not channel.socket.poll(0)
             msg = channel.recv("wait-ack", aseq, anames)
+            while isinstance(msg, Ready) or (isinstance(msg, HelloAck) and msg.sync_id == sync_id):
+                msg = channel.recv("wait-ack", aseq, anames)  # late copies of the handshake
             if isinstance(msg, Abort):
                 raise ColocatedError(
                     f"verl-fastsync sender: the receiver aborted bucket {aseq}: {msg.reason}"
@@ -952,20 +1120,29 @@ class ColocatedSender:
             seq += 1
 
         try:
-            channel.send(
-                Hello(
-                    schema_version=SCHEMA_VERSION,
-                    sync_id=sync_id,
-                    transport=self.transport,
-                    slots=list(slots.descs),
-                    sender_pid=os.getpid(),
-                ),
-                "hello",
+            hello = Hello(
+                schema_version=SCHEMA_VERSION,
+                sync_id=sync_id,
+                transport=self.transport,
+                slots=list(slots.descs),
+                sender_pid=os.getpid(),
             )
-            reply = channel.recv("hello")
+            deadline = time.monotonic() + self.timeout_s
+            reply: Message | None = None
+            while reply is None:
+                left = deadline - time.monotonic()
+                got = channel.recv_within(left, "hello") if left > 0 else None
+                if got is None:
+                    raise channel._timeout("waiting for", "hello", None, ())
+                if isinstance(got, Ready):  # a receiver announced itself (again): (re)send the hello
+                    channel.send(hello, "hello")
+                elif getattr(got, "sync_id", None) == sync_id:
+                    reply = got
+                    channel.peer_locked = True
+                # else: a stale message of an earlier sync (ignored)
             if isinstance(reply, Abort):
                 raise ColocatedError(f"verl-fastsync sender: the receiver aborted at hello: {reply.reason}")
-            if not isinstance(reply, HelloAck) or reply.sync_id != sync_id:
+            if not isinstance(reply, HelloAck):
                 raise ColocatedProtocolError(f"verl-fastsync sender: expected hello_ack, got {reply!r}")
             if reply.error is not None:
                 raise ColocatedError(
@@ -1001,11 +1178,8 @@ class ColocatedSender:
                 raise channel.peer_failure() from None
             if not isinstance(exc, ColocatedTimeoutError | ColocatedProtocolError):
                 try:
-                    channel.socket.send(
-                        _ENCODER.encode(
-                            Abort(schema_version=SCHEMA_VERSION, sync_id=sync_id, reason=repr(exc))
-                        ),
-                        self._zmq_noblock(),
+                    channel.send_nowait(
+                        Abort(schema_version=SCHEMA_VERSION, sync_id=sync_id, reason=repr(exc))
                     )
                 except Exception:
                     pass
@@ -1044,12 +1218,6 @@ class ColocatedSender:
             self.last_metrics[f"{METRIC_PREFIX}gbps"],
             stats["slot_waits"],
         )
-
-    @staticmethod
-    def _zmq_noblock() -> int:
-        import zmq
-
-        return int(zmq.NOBLOCK)
 
 
 def _pair(item: Any) -> tuple[str, torch.Tensor]:
@@ -1166,13 +1334,17 @@ class ColocatedReceiver:
         names: list[str] = []
         sync_id = ""
         try:
-            hello = channel.recv("hello")
-            if isinstance(hello, Abort):
-                raise ColocatedError(f"verl-fastsync receiver: the sender aborted: {hello.reason}")
-            if not isinstance(hello, Hello):
-                raise ColocatedProtocolError(
-                    f"verl-fastsync receiver: expected hello, got {type(hello).__name__}"
-                )
+            deadline = time.monotonic() + self.timeout_s
+            hello: Message | None = None
+            ready = Ready(schema_version=SCHEMA_VERSION, receiver_pid=os.getpid())
+            while not isinstance(hello, Hello):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise channel._timeout("waiting for", "hello", None, ())
+                channel.send(ready, "hello")
+                hello = channel.recv_within(min(HELLO_RESEND_S, left), "hello")
+                if isinstance(hello, Abort):
+                    raise ColocatedError(f"verl-fastsync receiver: the sender aborted: {hello.reason}")
             sync_id = hello.sync_id
             try:
                 slots = self._attach(hello)
@@ -1187,6 +1359,9 @@ class ColocatedReceiver:
             while True:
                 phase = "wait-bucket"
                 msg = channel.recv(phase, expected_seq, names)
+                if isinstance(msg, Hello) and msg.sync_id == sync_id:  # resent hello: answer again
+                    channel.send(HelloAck(schema_version=SCHEMA_VERSION, sync_id=sync_id), "hello")
+                    continue
                 if isinstance(msg, Abort):
                     raise ColocatedError(f"verl-fastsync receiver: the sender aborted: {msg.reason}")
                 if not isinstance(msg, BucketMsg) or msg.sync_id != sync_id:
