@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"bucket sizes in MiB, comma-separated (default {','.join(map(str, d.bucket_mib))})",
     )
     b.add_argument(
-        "--repeats", type=int, default=d.repeats, help=f"repeats per measurement (default {d.repeats})"
+        "--repeats",
+        type=int,
+        default=d.repeats,
+        help=f"timed repeats per measurement, after an untimed warm-up run (default {d.repeats})",
     )
     b.add_argument(
         "--heap-objects",
