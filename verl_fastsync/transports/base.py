@@ -333,6 +333,10 @@ class BufferedTransport(EngineTransport):
             return
         self.bucket_size = validate_bucket_size(bucket_size)
         self.inflight = _InFlight(phase="init_process_group")
+        if self.rank != SENDER_RANK:
+            # a receiver whose previous sync was never finalized (e.g. after an error) starts clean;
+            # the sender's endpoints were opened by this sync's prepare()
+            self._safe_close()
         try:
             self._connect(**kwargs)
         except BaseException:
