@@ -561,3 +561,87 @@ def test_shm_end_to_end_two_processes_on_verl_shapes(handle: str, monkeypatch: p
         assert late[-1]["rss"] - early[0]["rss"] < 32 << 20, (early[0]["rss"], late[-1]["rss"])
     release_colocated_resources()
     assert mine() == []
+
+
+# ---------------------------------------------------------------- SGLang loader (protocol only)
+
+
+@pytest.mark.timeout(60)
+def test_sglang_loader_pulls_weights_named_in_the_request(handle: str) -> None:
+    from verl_fastsync.colocated_receivers import pull_request_tensor, sglang_fastsync_loader
+
+    weights = harness.make_weights("mixed")
+    loaded: list[Any] = []
+
+    class Model:
+        def load_weights(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+            loaded.extend(harness.describe(batch))
+
+    marker = pull_request_tensor(handle, timeout_s=20)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            sglang_fastsync_loader(Model(), [marker], device=torch.device("cpu"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    asyncio.run(
+        ColocatedSender(handle, bucket_size_mb=1, use_shm=True, timeout_s=20).async_send_weights(weights)
+    )
+    thread.join(20)
+    assert not thread.is_alive() and not errors
+    assert loaded == harness.describe(weights)
+
+
+def test_sglang_loader_refuses_a_request_without_marker() -> None:
+    from verl_fastsync.colocated import ColocatedProtocolError
+    from verl_fastsync.colocated_receivers import sglang_fastsync_loader
+
+    with pytest.raises(ColocatedProtocolError, match="no '__verl_fastsync_colocated_pull__' tensor"):
+        sglang_fastsync_loader(object(), [("model.w", torch.zeros(2))])
+
+
+@pytest.mark.timeout(60)
+def test_sglang_trainer_side_yields_to_the_loop_until_the_worker_pulls(handle: str) -> None:
+    """A non-leader rank (engine None): the sender's handshake lets other coroutines of its loop
+    run, here the one that starts the worker (as SGLang's HTTP request would)."""
+    from verl_fastsync.colocated_receivers import (
+        pull_request_tensor,
+        sglang_fastsync_loader,
+        sglang_update_weights,
+    )
+
+    weights = harness.make_weights("small")
+    loaded: list[Any] = []
+
+    class Model:
+        def load_weights(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+            loaded.extend(harness.describe(batch))
+
+    async def main() -> None:
+        async def start_worker() -> None:
+            await asyncio.sleep(0.05)
+            threading.Thread(
+                target=sglang_fastsync_loader,
+                args=(Model(), [pull_request_tensor(handle, 20)]),
+                kwargs={"device": torch.device("cpu")},
+                daemon=True,
+            ).start()
+
+        task = asyncio.ensure_future(start_worker())
+        await sglang_update_weights(
+            None,
+            iter(weights),
+            zmq_handle=handle,
+            tp_zmq_handles=None,
+            bucket_size_mb=1,
+            timeout_s=20,
+            transport="shm",
+        )
+        await task
+
+    asyncio.run(main())
+    assert loaded == harness.describe(weights)

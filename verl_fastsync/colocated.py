@@ -1131,9 +1131,14 @@ class ColocatedSender:
             reply: Message | None = None
             while reply is None:
                 left = deadline - time.monotonic()
-                got = channel.recv_within(left, "hello") if left > 0 else None
-                if got is None:
+                if left <= 0:
                     raise channel._timeout("waiting for", "hello", None, ())
+                # short waits that yield to the event loop: the request that starts the receiver
+                # may be an awaitable of this same loop (SGLang's update_weights_from_tensor)
+                got = channel.recv_within(min(0.005, left), "hello")
+                if got is None:
+                    await asyncio.sleep(0.001)
+                    continue
                 if isinstance(got, Ready):  # a receiver announced itself (again): (re)send the hello
                     channel.send(hello, "hello")
                 elif getattr(got, "sync_id", None) == sync_id:

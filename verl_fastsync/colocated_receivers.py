@@ -1,0 +1,158 @@
+"""Engine-side receivers of the colocated path for SGLang.
+
+verl 0.9.1 updates a colocated SGLang server bucket by bucket
+(``verl/workers/rollout/sglang_rollout/sglang_rollout.py``: ``get_named_tensor_buckets`` then
+``sglang.srt.weight_sync.utils.update_weights`` per bucket): each tensor is exported as its own CUDA
+IPC handle, pickled by SGLang's ``MultiprocessingSerializer``, gathered to TP rank 0 and posted as
+one ``update_weights_from_tensor`` request per bucket. SGLang's ``update_weights_from_tensor``
+also accepts a ``load_format`` naming a function ``loader(model, named_tensors)`` that it imports
+and calls inside every TP worker process (verl's delta path uses this,
+``delta_loader.LOADER_FQN``).
+
+The fastsync path uses that hook once per sync instead of once per bucket:
+
+1. trainer side, every rank: :func:`sglang_update_weights` posts (on the TP leader) a single
+   ``update_weights_from_tensor`` request with ``load_format=`` :data:`SGLANG_LOADER_FQN`, whose
+   per-TP-rank payload is one tiny marker tensor (:func:`pull_request_tensor`: a msgspec-encoded
+   :class:`PullRequest` naming that rank's ZMQ endpoint), and streams its weights with
+   :class:`~verl_fastsync.colocated.ColocatedSender` (persistent double-buffered CUDA-IPC slots);
+2. SGLang worker side: :func:`sglang_fastsync_loader` decodes the marker and pulls the weights with
+   :class:`~verl_fastsync.colocated.ColocatedReceiver`, handing each bucket to
+   ``model.load_weights``.
+
+SGLang is imported lazily and only by :func:`sglang_update_weights`; the loader itself needs only
+torch and this package, so it is tested here without SGLang (the request posting is not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, Iterable, Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from verl_fastsync.colocated import SCHEMA_VERSION, ColocatedProtocolError, ColocatedReceiver, ColocatedSender
+
+__all__ = [
+    "MARKER_NAME",
+    "SGLANG_LOADER_FQN",
+    "PullRequest",
+    "pull_request_tensor",
+    "read_pull_request",
+    "sglang_fastsync_loader",
+    "sglang_update_weights",
+]
+
+SGLANG_LOADER_FQN = "verl_fastsync.colocated_receivers.sglang_fastsync_loader"
+"""``load_format`` of the ``update_weights_from_tensor`` request: SGLang imports and calls it."""
+
+MARKER_NAME = "__verl_fastsync_colocated_pull__"
+"""Name of the marker tensor that carries a :class:`PullRequest` through SGLang's request."""
+
+
+class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What one SGLang TP worker needs to pull its weights."""
+
+    zmq_handle: str
+    timeout_s: float
+    schema_version: int = SCHEMA_VERSION
+
+
+def pull_request_tensor(zmq_handle: str, timeout_s: float) -> tuple[str, torch.Tensor]:
+    """The ``(name, tensor)`` marker to put in a rank's ``serialized_named_tensors``."""
+    data = msgspec.msgpack.encode(PullRequest(zmq_handle=zmq_handle, timeout_s=float(timeout_s)))
+    return MARKER_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def read_pull_request(named_tensors: Iterable[tuple[str, Any]]) -> PullRequest:
+    """Find and decode the marker; a clear error when it is absent or of another version."""
+    items = list(named_tensors)
+    for name, tensor in items:
+        if name != MARKER_NAME:
+            continue
+        raw = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
+        try:
+            request = msgspec.msgpack.decode(raw.cpu().numpy().tobytes(), type=PullRequest)
+        except msgspec.DecodeError as exc:
+            raise ColocatedProtocolError(
+                f"verl-fastsync SGLang loader: undecodable pull request: {exc}"
+            ) from None
+        if request.schema_version != SCHEMA_VERSION:
+            raise ColocatedProtocolError(
+                f"verl-fastsync SGLang loader: pull request of schema version {request.schema_version}, this "
+                f"worker speaks {SCHEMA_VERSION}; install the same verl-fastsync version on both sides"
+            )
+        return request
+    names = [name for name, _ in items][:4]
+    raise ColocatedProtocolError(
+        f"verl-fastsync SGLang loader: no {MARKER_NAME!r} tensor in the request (got {names}); it was "
+        f"called with load_format={SGLANG_LOADER_FQN!r} by something other than sglang_update_weights"
+    )
+
+
+def _worker_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sglang_fastsync_loader(
+    model: Any, named_tensors: Iterable[tuple[str, Any]], *, device: torch.device | None = None
+) -> None:
+    """SGLang custom loader (``load_format=SGLANG_LOADER_FQN``): pull this worker's weights from the
+    trainer rank named in the request and load them bucket by bucket with ``model.load_weights``."""
+    request = read_pull_request(named_tensors)
+    receiver = ColocatedReceiver(request.zmq_handle, device or _worker_device(), timeout_s=request.timeout_s)
+
+    def load(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+        if weights:
+            model.load_weights(weights)
+
+    receiver.receive_weights(load)
+
+
+async def sglang_update_weights(
+    engine: Any,
+    weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+    *,
+    zmq_handle: str,
+    tp_zmq_handles: Sequence[str] | None,
+    bucket_size_mb: float,
+    timeout_s: float = 600.0,
+    flush_cache: bool = True,
+    transport: str = "ipc",
+) -> None:
+    """Trainer side, called on every rank of a colocated SGLang replica (the adapter's replacement
+    for verl's per-bucket ``sgl_update_weights`` loop).
+
+    :param engine: verl's SGLang engine handle on the TP leader (``self._engine``), ``None`` elsewhere.
+    :param zmq_handle: this rank's endpoint (its SGLang TP worker on the same device pulls from it).
+    :param tp_zmq_handles: on the TP leader, the endpoints of all TP ranks in TP order; else ``None``.
+    :param transport: colocated transport (``ipc``; ``shm`` where the device has no IPC, e.g. NPU).
+    """
+    post: asyncio.Task[Any] | None = None
+    if engine is not None:
+        if not tp_zmq_handles:
+            raise ValueError("the TP leader must pass tp_zmq_handles (one endpoint per TP rank)")
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[
+                MultiprocessingSerializer.serialize([pull_request_tensor(handle, timeout_s)])
+                for handle in tp_zmq_handles
+            ],
+            load_format=SGLANG_LOADER_FQN,
+            flush_cache=flush_cache,
+        )
+        post = asyncio.ensure_future(engine.update_weights_from_tensor(request))
+    sender = ColocatedSender(
+        zmq_handle, bucket_size_mb, use_shm=transport == "shm", transport=transport, timeout_s=timeout_s
+    )
+    try:
+        await sender.async_send_weights(weights)
+    finally:
+        if post is not None:
+            await post
