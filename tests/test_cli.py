@@ -466,3 +466,14 @@ def test_gpu_cleanup_check_runs_without_cuda(tmp_path: Path) -> None:
     rows = {(r["boundary"], r["policy"], r["cycle_mib"]) for r in doc["rows"]}
     assert ("pre_resume_cleanup", "aggressive", 2) in rows and ("post_transfer_cleanup", "light", 0) in rows
     assert all(r["gc_ran"] == (r["policy"] == "aggressive") for r in doc["rows"] if doc["device"] == "cpu")
+
+
+def test_schema_doc_lists_every_required_key() -> None:
+    """docs/bench-schema.md is the contract: every key the validator requires is documented there."""
+    text = (ROOT / "docs" / "bench-schema.md").read_text()
+    required = {"schema_version", "verl_version", "memcpy_gbps", "cleanup", "transfer", "scale"}
+    for fields in (bench._CLEANUP_FIELDS, bench._TRANSFER_FIELDS, bench._SCALE_FIELDS):
+        required |= set(fields)
+    missing = sorted(key for key in required if f"`{key}`" not in text)
+    assert not missing, f"undocumented keys: {missing}"
+    assert f"(version {bench.SCHEMA_VERSION})" in text
