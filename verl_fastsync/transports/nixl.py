@@ -227,7 +227,7 @@ class NixlTransport(ShmTransport):
                             f"rollout rank(s) {ranks}", f"WRITE of bucket {message.bucket_index}"
                         )
                     if pending:
-                        time.sleep(0)
+                        time.sleep(0.0002)  # leave the core to the UCX progress thread
             finally:
                 for _ident, handle in handles:
                     try:
