@@ -19,8 +19,14 @@ This replaces verl's ``verl/workers/rollout/vllm_rollout/bucketed_weight_transfe
   leading expert dimension (MoE ``...experts.<param>`` shaped ``[E, ...]``) are chunked on expert
   boundaries so every chunk is a valid ``[e0:e1]`` slice.
 * never calls ``gc.collect()``; never pickles: control messages are msgspec structs with a
-  ``schema_version``, over pyzmq ``PAIR`` sockets on the same ``ipc://`` path verl uses (the socket
-  file is made ``0600``).
+  ``schema_version``, over pyzmq on the same ``ipc://`` path verl uses (the socket file is made
+  ``0600``): the sender binds a ROUTER, the receiver connects a DEALER with a fresh routing id and
+  announces itself (``Ready``, resent until the ``Hello`` arrives), so a receiver of the previous
+  sync that is still closing can neither take nor inject a message of this one.
+* costs, by design, ``2 x bucket`` bytes held for the process lifetime on the sender (device
+  memory for ``ipc``, ``/dev/shm`` for ``shm``) and one mapping of them in the receiver; pick the
+  bucket with that in mind (verl's default of 2048 MiB means 4 GiB; 256-512 MiB buckets already
+  keep the pipeline busy).
 * puts a timeout on every blocking wait; the error names the peer, the phase, the bucket and the
   tensors in flight.
 
@@ -62,7 +68,12 @@ Hooking verl
 :func:`install_colocated` takes verl's imported ``bucketed_weight_transfer`` module and replaces
 its two classes by switches that build the fastsync objects when enabled and verl's own otherwise.
 The adapter calls it when ``verl.workers.rollout.vllm_rollout.bucketed_weight_transfer`` is
-imported (in the trainer worker and in every vLLM worker process).
+imported (in the trainer worker and in every vLLM worker process). Both verl call sites are then
+served unchanged: the full sync (``update_weights_from_ipc``) and, on 0.9.1, the delta flushes
+(``delta_weight_transfer``), whose callbacks take ``(weights, is_last)``.
+
+Timeouts: every wait is bounded by ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`, or
+:data:`ENV_TIMEOUT` in the environment, which the adapter can set from ``custom.fastsync.timeout_s``).
 """
 
 from __future__ import annotations
