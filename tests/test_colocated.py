@@ -645,3 +645,28 @@ def test_sglang_trainer_side_yields_to_the_loop_until_the_worker_pulls(handle: s
 
     asyncio.run(main())
     assert loaded == harness.describe(weights)
+
+
+def test_segments_of_dead_owners_are_swept(monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = mp.get_context("spawn").Process(target=int)
+    proc.start()
+    proc.join(30)
+    dead = proc.pid
+    alive = os.getppid()
+    paths = [
+        f"/dev/shm/verl_fastsync_{dead}_feedfacefeedface_0",
+        f"/dev/shm/verl_fastsync_{alive}_feedfacefeedface_0",
+    ]
+    for path in paths:
+        with open(path, "wb") as fh:
+            fh.write(b"x")
+    monkeypatch.setattr(colocated, "_SWEPT", False)
+    try:
+        removed = colocated.sweep_dead_segments()
+        assert os.path.basename(paths[0]) in removed
+        assert not os.path.exists(paths[0]) and os.path.exists(paths[1])
+        assert colocated.sweep_dead_segments() == []  # once per process
+    finally:
+        for path in paths:
+            if os.path.exists(path):
+                os.remove(path)

@@ -487,8 +487,9 @@ class ShmSlotMemory:
             os.close(fd)
 
     def allocate(self, index: int, nbytes: int) -> tuple[torch.Tensor, SlotDesc]:
+        sweep_dead_segments()
         token = uuid.uuid4().hex[:16]
-        shm_name = f"/verl_fastsync_{os.getpid()}_{token}_{index}"
+        shm_name = f"/{SHM_PREFIX}{os.getpid()}_{token}_{index}"
         mm = self._map(shm_name, nbytes, create=True)
         self._maps[token] = mm
         desc = SlotDesc(index=index, nbytes=nbytes, token=token, shm_name=shm_name)
@@ -517,6 +518,48 @@ class ShmSlotMemory:
         mm = self._maps.pop(desc.token, None)
         if mm is not None:
             _close_map(mm, desc)
+
+
+SHM_PREFIX = "verl_fastsync_"
+"""Segment names are ``/verl_fastsync_<owner pid>_<token>_<slot>``."""
+
+_SWEPT = False
+
+
+def sweep_dead_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink slot segments whose owner process no longer exists (a sender killed before its
+    ``atexit`` ran). Runs once per process, before its first allocation; returns what it removed.
+    A receiver that still maps such a segment keeps its mapping (only the name goes)."""
+    global _SWEPT
+    if _SWEPT:
+        return []
+    _SWEPT = True
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        owner = name[len(SHM_PREFIX) :].split("_", 1)[0]
+        if not owner.isdigit() or int(owner) == os.getpid():
+            continue
+        try:
+            os.kill(int(owner), 0)
+            continue  # alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            _shm_funcs()[1]("/" + name)
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        logger.info("verl-fastsync: removed %d shared-memory slot(s) of dead processes", len(removed))
+    return removed
 
 
 def _close_map(mm: mmap.mmap, desc: SlotDesc) -> None:
