@@ -298,23 +298,3 @@ def test_nccl_importable_without_gpu_and_fails_clearly() -> None:
         receiver.finalize()
     with pytest.raises(RuntimeError, match="no control endpoint"):
         factory.build_topology(1, 1, [{"bucket_size": 1}, {"bucket_size": 1}])
-
-
-@pytest.mark.timeout(180)
-def test_bench_run_engine_transfer() -> None:
-    from verl_fastsync.transports.bench_support import run_engine_transfer
-
-    spec = [("a", (3000,), "float32"), ("b", (5, 4096), "bfloat16"), ("c", (7,), "bool")]
-    result = run_engine_transfer("shm", spec, 8192, repeats=1, timeout_s=60)
-    assert result["status"] == "ok", result
-    assert result["bytes_identical"] is True
-    assert result["bytes"] == 3000 * 4 + 5 * 4096 * 2 + 7
-    assert result["gbps"] > 0 and result["memcpy_gbps"] > 0 and len(result["seconds_all"]) == 1
-    assert result["peak_sender_bytes"] <= 2 * 8192
-    assert result["peak_receiver_bytes"] <= 2 * 8192 + 5 * 4096 * 2
-    failed = run_engine_transfer("gloo", spec, 8192, repeats=1, timeout_s=60)
-    assert failed["status"] == "ok", failed
-    with pytest.raises(UnknownPluginNameError):
-        run_engine_transfer("nope", spec, 8192)
-    with pytest.raises(ValueError, match="bucket_size must be a positive"):
-        run_engine_transfer("shm", spec, 0)
