@@ -273,3 +273,41 @@ def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.Monkey
     ew.aggressive_empty_cache(force_sync=True)
     assert events[:3] == ["gc", "empty_cache", "synchronize"]
     assert ew.get_torch_device() is device
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "error"),
+    [
+        ({"enable": True, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "shm"}, None),
+        ({"enable": True, "colocated_transport": "ipc"}, {"VERL_FASTSYNC_COLOCATED": "1"}, None),
+        ({"enable": True}, {}, None),
+        ({"enable": False, "colocated_transport": "shm"}, {}, None),
+        (
+            {"enable": True, "colocated_transport": "shm"},
+            {},
+            "needs VERL_FASTSYNC_COLOCATED=shm in every verl process (vLLM's workers see no config), but this "
+            "process has VERL_FASTSYNC_COLOCATED=''; add "
+            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FASTSYNC_COLOCATED=shm",
+        ),
+        (
+            {"enable": True, "colocated_transport": "shm"},
+            {"VERL_FASTSYNC_COLOCATED": "ipc"},
+            "this process has VERL_FASTSYNC_COLOCATED='ipc'",
+        ),
+        ({"enable": True}, {"VERL_FASTSYNC_COLOCATED": "shm"}, "set both or neither"),
+        ({"enable": False, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "1"}, "set both or neither"),
+        ({"enable": True, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "sh m"}, "is not valid"),
+    ],
+)
+def test_colocated_switch_must_agree(config: dict[str, Any], env: dict[str, str], error: str | None) -> None:
+    from verl_fastsync.config import parse_fastsync_config
+
+    parsed = parse_fastsync_config(config)
+    if error is None:
+        adapter.check_colocated_switch(parsed, env)
+        if parsed.enable and parsed.colocated_transport:
+            assert env["VERL_FASTSYNC_COLOCATED_TIMEOUT_S"] == "600.0"
+    else:
+        with pytest.raises(FastsyncConfigError) as info:
+            adapter.check_colocated_switch(parsed, env)
+        assert error in str(info.value)

@@ -63,6 +63,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -70,7 +71,7 @@ from types import ModuleType
 from typing import Any
 
 from verl_fastsync import cleanup, plugins
-from verl_fastsync.config import FastsyncConfig, config_from_rollout, validate_names
+from verl_fastsync.config import FastsyncConfig, FastsyncConfigError, config_from_rollout, validate_names
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +173,43 @@ class WorkerState:
         self.pm = plugins.plugin_manager(tuple(config.disabled_plugins)) if config.enable else None
         if self.pm is not None:
             validate_names(config, self.pm)
+        check_colocated_switch(config, os.environ)
         self.last_metrics: dict[str, float] = {}
         self.syncs = 0
+
+
+def check_colocated_switch(config: FastsyncConfig, environ: Any) -> None:
+    """The colocated transport must be switched on in the config *and* in every process's environment.
+
+    verl's vLLM worker processes (the receivers) never see the config, so the switch they read is the
+    environment variable ``VERL_FASTSYNC_COLOCATED``, which reaches every Ray actor through
+    ``+ray_kwargs.ray_init.runtime_env.env_vars``. A trainer worker starting with only one of the two
+    would hit a protocol mismatch at its first sync; it fails here instead, saying what to add.
+    """
+    wanted = config.colocated_transport if config.enable else None
+    raw = environ.get("VERL_FASTSYNC_COLOCATED", "")
+    if wanted is None and raw.strip().lower() in ("", "0", "false", "off", "no"):
+        return
+    from verl_fastsync.colocated import ENV_ENABLE, ENV_TIMEOUT, colocated_transport_name
+
+    try:
+        named = colocated_transport_name(use_shm=wanted == "shm", environ=environ)
+    except ValueError as exc:
+        raise FastsyncConfigError(str(exc)) from exc
+    override = f"+ray_kwargs.ray_init.runtime_env.env_vars.{ENV_ENABLE}"
+    if wanted is None:
+        raise FastsyncConfigError(
+            f"{ENV_ENABLE}={raw!r} switches verl's colocated transfer to fastsync, but "
+            f"{config.key('colocated_transport')} is not set (or {config.key('enable')} is false); "
+            f"set both or neither"
+        )
+    if named != wanted:
+        raise FastsyncConfigError(
+            f"{config.key('colocated_transport')}={wanted!r} needs {ENV_ENABLE}={wanted} in every verl "
+            f"process (vLLM's workers see no config), but this process has {ENV_ENABLE}={raw!r}; "
+            f"add {override}={wanted}"
+        )
+    environ.setdefault(ENV_TIMEOUT, str(config.timeout_s))
 
 
 def _rollout_config(worker_config: Any) -> Any:
@@ -312,6 +348,8 @@ async def _run_sync(worker: Any, state: WorkerState, call: Callable[[], Any], st
         _ACTIVE.reset(token)
     state.syncs += 1
     state.last_metrics = scope.metrics()
+    if state.config.colocated_transport is not None and "verl_fastsync.colocated" in sys.modules:
+        state.last_metrics.update(sys.modules["verl_fastsync.colocated"].get_last_metrics("sender"))
     logger.info(
         "fastsync sync #%d (step %s): %s; replaced verl calls: %s",
         state.syncs,

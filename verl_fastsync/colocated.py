@@ -55,13 +55,18 @@ environment variable :data:`ENV_ENABLE` (``VERL_FASTSYNC_COLOCATED``):
   ``weight_transport`` hook with ``kind="colocated"`` is accepted).
 
 Why an environment variable: the receiver runs inside vLLM's worker subprocesses, which verl spawns
-through the vLLM server actor; they see neither the trainer's config object nor Ray actor options,
-but they inherit the environment of the server actor. The trainer-side adapter sets the variable
-from ``actor_rollout_ref.rollout.custom.fastsync.enable`` (it also reaches the vLLM server's config)
-before the engine is launched, or the user sets it for every actor with
-``+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FASTSYNC_COLOCATED=1``. The receiver follows the
-transport named by the sender's first message, so only the on/off decision must agree; when it does
-not, the fastsync side fails with a timeout that says so (the sockets types differ: no hang).
+through the vLLM server actor; they see neither the trainer's config nor Ray actor options, but they
+inherit the environment of the server actor. The user therefore sets both the config key and the
+variable, which reaches every actor::
+
+    +actor_rollout_ref.rollout.custom.fastsync.colocated_transport=shm
+    +ray_kwargs.ray_init.runtime_env.env_vars.VERL_FASTSYNC_COLOCATED=shm
+
+and the adapter checks at trainer-worker start that the two agree
+(:func:`verl_fastsync.adapter.check_colocated_switch`), so a forgotten half fails before the first
+sync. The receiver follows the transport named by the sender's first message, so only the on/off
+decision must agree; when it does not, the fastsync side fails with a timeout that says so (the
+socket types differ: no hang).
 
 Hooking verl
 ------------
