@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _plugin_dist import write_plugin_dist
 from _verl_fakes import (
     Events,
     FakeDevice,
@@ -167,15 +167,6 @@ def test_typo_key_fails_at_worker_start(ew: Any) -> None:
         ew.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
 
 
-def _write_plugin(root: Path, module: str, body: str) -> None:
-    """A real installed distribution whose entry point of group ``verl_fastsync`` is ``module``."""
-    (root / f"{module}.py").write_text(textwrap.dedent(body))
-    dist = root / f"{module}-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(f"[verl_fastsync]\n{module} = {module}\n")
-
-
 THIRD_PARTY = """
     from verl_fastsync import hookimpl
     from verl_fastsync.cleanup import CleanupOutcome
@@ -192,7 +183,7 @@ THIRD_PARTY = """
 
 
 def test_third_party_entry_point_takes_over(ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    _write_plugin(tmp_path, "fastsync_takeover", THIRD_PARTY)
+    write_plugin_dist(tmp_path, "fastsync_takeover", THIRD_PARTY)
     monkeypatch.syspath_prepend(str(tmp_path))
     events = sync(ew, monkeypatch, fastsync_overrides(enable=True))
     assert events[: events.index("resume:weights")] == ["third-party:pre_resume_cleanup"]
@@ -210,7 +201,7 @@ def test_third_party_entry_point_takes_over(ew: Any, monkeypatch: pytest.MonkeyP
 
 
 def test_raising_plugin_is_named(ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    _write_plugin(
+    write_plugin_dist(
         tmp_path,
         "fastsync_broken",
         """
@@ -285,8 +276,8 @@ def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.Monkey
         (
             {"enable": True, "colocated_transport": "shm"},
             {},
-            "needs VERL_FASTSYNC_COLOCATED=shm in every verl process (vLLM's workers see no config), but this "
-            "process has VERL_FASTSYNC_COLOCATED=''; add "
+            "needs VERL_FASTSYNC_COLOCATED=shm in every verl process (vLLM's workers see no config), "
+            "but this process has VERL_FASTSYNC_COLOCATED=''; add "
             "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FASTSYNC_COLOCATED=shm",
         ),
         (
@@ -295,7 +286,11 @@ def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.Monkey
             "this process has VERL_FASTSYNC_COLOCATED='ipc'",
         ),
         ({"enable": True}, {"VERL_FASTSYNC_COLOCATED": "shm"}, "set both or neither"),
-        ({"enable": False, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "1"}, "set both or neither"),
+        (
+            {"enable": False, "colocated_transport": "shm"},
+            {"VERL_FASTSYNC_COLOCATED": "1"},
+            "set both or neither",
+        ),
         ({"enable": True, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "sh m"}, "is not valid"),
     ],
 )

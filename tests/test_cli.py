@@ -10,11 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _plugin_dist import write_plugin_dist
 
 from verl_fastsync import bench, cli, doctor, models
 
@@ -349,9 +349,10 @@ def test_doctor_colocated_transport_that_cannot_work_here() -> None:
 def test_doctor_reports_third_party_plugin(tmp_path: Path) -> None:
     """A third-party plugin installed through the ``verl_fastsync`` entry-point group shows up as the
     first implementation of its hook, and its policy is selectable."""
-    (tmp_path / "thirdparty_twice.py").write_text(
-        textwrap.dedent(
-            """
+    write_plugin_dist(
+        tmp_path,
+        "thirdparty_twice",
+        """
             from verl_fastsync import hookimpl
             from verl_fastsync.cleanup import CleanupOutcome
 
@@ -364,13 +365,9 @@ def test_doctor_reports_third_party_plugin(tmp_path: Path) -> None:
             def pre_resume_cleanup(policy, available):
                 available.append("twice")
                 return _twice if policy == "twice" else None
-            """
-        )
+            """,
+        entry_name="twice",
     )
-    dist = tmp_path / "thirdparty_twice-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-twice\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[verl_fastsync]\ntwice = thirdparty_twice\n")
     pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": pythonpath}
     rc, report, err = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.pre_resume_cleanup=twice", env=env)

@@ -6,11 +6,11 @@ import inspect
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pluggy
 import pytest
+from _plugin_dist import write_plugin_dist
 
 from verl_fastsync import NAME, hookimpl, hookspecs, plugins
 
@@ -84,16 +84,8 @@ def test_blocking_builtin_removes_its_names() -> None:
         plugins.select_cleanup(pm, "pre_resume_cleanup", "light")
 
 
-def _dist(root: Path, module: str, body: str) -> None:
-    (root / f"{module}.py").write_text(textwrap.dedent(body))
-    info = root / f"{module}-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[verl_fastsync]\n{module} = {module}\n")
-
-
 def test_entry_point_plugin_loaded_and_blockable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    _dist(
+    write_plugin_dist(
         tmp_path,
         "fastsync_extra_policy",
         """
@@ -114,7 +106,7 @@ def test_entry_point_plugin_loaded_and_blockable(monkeypatch: pytest.MonkeyPatch
 
 
 def test_check_pending_rejects_misspelled_hook(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    _dist(
+    write_plugin_dist(
         tmp_path,
         "fastsync_typo",
         """

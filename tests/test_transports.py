@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _plugin_dist import write_plugin_dist
 from _transport_harness import (  # type: ignore[import-not-found]
     ROOT,
     Cluster,
@@ -249,11 +250,7 @@ print("selected", cls.__module__, cls.__name__, sorted(available_transports(pm, 
 
 @pytest.mark.timeout(120)
 def test_third_party_transport_via_entry_point(tmp_path: Path) -> None:
-    (tmp_path / "pigeon_transport.py").write_text(PLUGIN)
-    dist = tmp_path / "pigeon_transport-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pigeon-transport\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[verl_fastsync]\npigeon = pigeon_transport\n")
+    write_plugin_dist(tmp_path, "pigeon_transport", PLUGIN, entry_name="pigeon")
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")])
     )

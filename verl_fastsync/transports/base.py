@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -64,7 +65,17 @@ __all__ = [
     "TransportTimeoutError",
     "allocate_bucket_buffers",
     "base_topology",
+    "default_host",
 ]
+
+
+def default_host() -> str:
+    """The address a multi-host transport binds and advertises when ``TransportOptions.host`` is unset."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
 
 TransportFactory = Callable[..., Any]
 """What the ``weight_transport`` hook returns (see the module docstring for each kind)."""

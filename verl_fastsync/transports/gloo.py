@@ -26,6 +26,7 @@ from verl_fastsync.transports.base import (
     BufferedTransport,
     TransportError,
     allocate_bucket_buffers,
+    default_host,
 )
 from verl_fastsync.wire import (
     WIRE_SCHEMA_VERSION,
@@ -56,13 +57,6 @@ def _parts(payload: torch.Tensor) -> list[torch.Tensor]:
     return [payload[i : i + step] for i in range(0, n, step)]
 
 
-def _default_host() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 class GlooTransport(BufferedTransport):
     """Gloo broadcast engine transport (see module docstring)."""
 
@@ -85,7 +79,7 @@ class GlooTransport(BufferedTransport):
         meta: dict[str, Any] = {"transport": self.name, "host": socket.gethostname()}
         if self.options.is_master:
             self._close()
-            addr = self.options.host or _default_host()
+            addr = self.options.host or default_host()
             self._store = dist.TCPStore(addr, 0, None, True, self._td(), wait_for_workers=False)
             meta.update(addr=addr, port=int(self._store.port))
         return meta

@@ -18,25 +18,17 @@ CUDA fails in :meth:`init_process_group` with a clear error.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any, ClassVar
 
 import torch
 import zmq
 
-from verl_fastsync.transports.base import TransportError
+from verl_fastsync.transports.base import TransportError, default_host
 from verl_fastsync.transports.shm import ShmTransport
 from verl_fastsync.wire import BucketReady, SyncEnd, Welcome
 
 __all__ = ["NcclTransport"]
-
-
-def _default_host() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 class NcclTransport(ShmTransport):
@@ -56,7 +48,7 @@ class NcclTransport(ShmTransport):
     # -- setup -------------------------------------------------------------------------------
 
     def _bind_control(self, sock: zmq.Socket[Any]) -> str:
-        addr = self.options.host or _default_host()
+        addr = self.options.host or default_host()
         port = sock.bind_to_random_port(f"tcp://{addr}")
         return f"tcp://{addr}:{port}"
 

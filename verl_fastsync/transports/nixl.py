@@ -28,18 +28,11 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers
+from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers, default_host
 from verl_fastsync.transports.shm import ShmTransport
 from verl_fastsync.wire import BucketReady, Message, PeerBuffers, Welcome
 
 __all__ = ["NixlTransport"]
-
-
-def _default_host() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 class NixlTransport(ShmTransport):
@@ -66,7 +59,7 @@ class NixlTransport(ShmTransport):
         return meta
 
     def _bind_control(self, sock: zmq.Socket[Any]) -> str:
-        self._bind_addr = self.options.host or _default_host()
+        self._bind_addr = self.options.host or default_host()
         port = sock.bind_to_random_port(f"tcp://{self._bind_addr}")
         return f"tcp://{self._bind_addr}:{port}"
 
