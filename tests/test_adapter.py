@@ -263,7 +263,8 @@ def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.Monkey
     install_recorders(monkeypatch, events, device)
     ew.aggressive_empty_cache(force_sync=True)
     assert events[:3] == ["gc", "empty_cache", "synchronize"]
-    assert ew.get_torch_device() is device
+    if hasattr(ew, "get_torch_device"):  # 0.7.1's engine_workers does not import it
+        assert ew.get_torch_device() is device
 
 
 @pytest.mark.parametrize(
