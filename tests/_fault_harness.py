@@ -267,16 +267,29 @@ def colocated_sender_main(
             ColocatedSender(h, bucket_size_mb=bucket_mb, use_shm=True, timeout_s=timeout_s, event_hook=hook)
             for h in handles
         ]
+        pause_at = set(kill.get("pause_at", ()))
         for i in range(repeats):
             try:
                 asyncio.run(senders[i % len(senders)].async_send_weights(gen()))
-                conn.send(("ok", i, resources_now()))
             except BaseException as exc:
                 conn.send(("err", f"{type(exc).__name__}: {exc}", time.monotonic()))
                 return
+            _report_sync(conn, i, i in pause_at)
         conn.send(("done", resources_now()))
     except BaseException as exc:
         conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.monotonic()))
+
+
+def _report_sync(conn: Connection, index: int, pause: bool) -> None:
+    """("ok", index, resources or None); at a pause point, settled resources, then wait for "go"
+    (soak runs measure both processes while neither is mid-sync)."""
+    if not pause:
+        conn.send(("ok", index, None))
+        return
+    conn.send(("ok", index, resources_settled()))
+    if not conn.poll(120):
+        raise TimeoutError("no 'go' from the test within 120 s")
+    conn.recv()
 
 
 def colocated_receiver_main(
@@ -321,13 +334,14 @@ def colocated_receiver_main(
                         log.flush()
                     count += 1
 
+            pause_at = set(kill.get("pause_at", ()))
             for i in range(repeats):
                 try:
                     receivers[i % len(receivers)].receive_weights(callback)
-                    conn.send(("ok", i, resources_now()))
                 except BaseException as exc:
                     conn.send(("err", f"{type(exc).__name__}: {exc}", time.monotonic()))
                     return
+                _report_sync(conn, i, i in pause_at)
         conn.send(("done", resources_now()))
     except BaseException as exc:
         conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.monotonic()))
@@ -350,6 +364,23 @@ def resources_now() -> dict[str, int]:
     except FileNotFoundError:  # pragma: no cover
         segments = 0
     return {"rss": proc.memory_info().rss, "fds": proc.num_fds(), "maps": mapped, "dev_shm": segments}
+
+
+def resources_settled(max_s: float = 5.0) -> dict[str, int]:
+    """:func:`resources_now` once the fd count has not changed for 0.5 s (ZMQ closes sockets on its
+    own I/O thread, a moment after ``close()`` returns)."""
+    deadline = time.monotonic() + max_s
+    last = resources_now()
+    stable_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = resources_now()
+        if now["fds"] != last["fds"] or now["maps"] != last["maps"]:
+            stable_since = time.monotonic()
+        last = now
+        if time.monotonic() - stable_since >= 0.5:
+            break
+    return last
 
 
 def colocated_segments_of(pid: int) -> list[str]:
