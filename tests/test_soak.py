@@ -64,18 +64,8 @@ def _check_flat(row: dict[str, Any]) -> None:
     assert row["segments"]["end"] == row["segments"]["start"], row["segments"]
 
 
-NIXL_FD_LEAK = pytest.mark.xfail(
-    strict=True,
-    reason="nixl leaks one socket fd per sync on each side (34 -> 79 fds after 45 syncs): "
-    "NixlTransport._release_buffers calls agent.remove_remote_agent() every sync and NIXL/UCX do not "
-    "destroy a live endpoint on removal (ai-dynamo/nixl#2025); proposed fix: keep remote agents "
-    "across syncs (re-adding the same agent's metadata each handshake updates it) and remove only "
-    "agents that are no longer peers",
-)
-
-
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("transport", ["shm", "gloo", pytest.param("nixl", marks=NIXL_FD_LEAK)])
+@pytest.mark.parametrize("transport", ["shm", "gloo", "nixl"])
 def test_engine_soak(transport: str, request: pytest.FixtureRequest, tmp_path: Any) -> None:
     n = _syncs(request)
     specs = fh.fault_model(ENGINE_BUCKET)

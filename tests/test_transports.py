@@ -56,7 +56,7 @@ def test_unknown_transport_lists_available() -> None:
 
 
 def test_options_and_topology_validation() -> None:
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+    with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
         TransportOptions(timeout_s=0)
     with pytest.raises(TypeError, match="timeout_s must be a number"):
         TransportOptions(timeout_s="soon")  # type: ignore[arg-type]

@@ -87,6 +87,7 @@ import asyncio
 import atexit
 import inspect
 import logging
+import math
 import mmap
 import os
 import re
@@ -252,6 +253,15 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
 
+class _Versioned(msgspec.Struct):
+    """Any message, read only for its ``schema_version`` (other fields are ignored)."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
+
+
 # ---------------------------------------------------------------------------------------------
 # configuration helpers
 # ---------------------------------------------------------------------------------------------
@@ -287,16 +297,20 @@ def _default_timeout() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive number of seconds")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive, finite number of seconds")
     return value
 
 
 def _check_timeout(timeout_s: float | None) -> float:
     if timeout_s is None:
         return _default_timeout()
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not (math.isfinite(timeout_s) and timeout_s > 0)
+    ):
+        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
     return float(timeout_s)
 
 
@@ -973,6 +987,17 @@ class _Channel:
             return None
         else:
             raw = frames[0]
+        # The version first, from a struct that only reads it: a peer of another release may have
+        # changed the message fields, and the error must then name both versions.
+        try:
+            version = _VERSION_DECODER.decode(raw).schema_version
+        except msgspec.DecodeError:
+            version = SCHEMA_VERSION  # not a map with a version: the full decode below says why
+        if version != SCHEMA_VERSION:
+            raise ColocatedProtocolError(
+                f"verl-fastsync {self.role}: the {self.peer} speaks schema version {version}, "
+                f"this side {SCHEMA_VERSION}; install the same verl-fastsync version in both processes"
+            )
         try:
             msg = _DECODER.decode(raw)
         except msgspec.DecodeError as exc:
@@ -980,11 +1005,6 @@ class _Channel:
                 f"verl-fastsync {self.role}: undecodable message from {self._where(phase, seq, tensors)}: "
                 f"{exc} (is the peer verl's original transfer? set {ENV_ENABLE} identically on both sides)"
             ) from None
-        if msg.schema_version != SCHEMA_VERSION:
-            raise ColocatedProtocolError(
-                f"verl-fastsync {self.role}: the {self.peer} speaks schema version {msg.schema_version}, "
-                f"this side {SCHEMA_VERSION}; install the same verl-fastsync version in both processes"
-            )
         if self.bound:
             if isinstance(msg, Ready):
                 if self.peer_locked:
@@ -1054,7 +1074,7 @@ class ColocatedSender:
         if (
             isinstance(bucket_size_mb, bool)
             or not isinstance(bucket_size_mb, int | float)
-            or bucket_size_mb <= 0
+            or not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0)
         ):
             raise ValueError(f"bucket_size_mb must be a positive number of MiB, got {bucket_size_mb!r}")
         self.zmq_handle = zmq_handle

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import math
 import socket
 import time
 import uuid
@@ -120,8 +121,8 @@ class TransportOptions:
     def __post_init__(self) -> None:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
             raise TypeError(f"timeout_s must be a number of seconds, got {self.timeout_s!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0 of seconds, got {self.timeout_s}")
 
 
 @dataclass

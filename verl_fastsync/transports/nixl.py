@@ -140,11 +140,9 @@ class NixlTransport(ShmTransport):
     def _release_buffers(self) -> None:
         agent = self._agent
         if agent is not None:
-            for name in self._remote_names.values():
-                try:
-                    agent.remove_remote_agent(name)
-                except Exception:  # pragma: no cover - best effort
-                    pass
+            # Remote agents stay added for the agent's lifetime: NIXL/UCX keep a removed agent's
+            # endpoint (and its socket) open, so removing it after every sync leaked one fd per sync
+            # on each side. The next handshake re-adds the same metadata, which NIXL accepts.
             if self._reg is not None:
                 try:
                     agent.deregister_memory(self._reg)

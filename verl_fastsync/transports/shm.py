@@ -258,6 +258,11 @@ class ShmTransport(BufferedTransport):
     def _all_attached(self) -> None:
         for seg in self._segments:
             seg.unlink()  # every receiver mapped it: nothing can leak from here on
+        if self._dir is not None:
+            # Every receiver is connected: the socket file is no longer needed, and removing it now
+            # means a killed trainer leaves no file behind.
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def _hello_message(self) -> Message:
         return Hello(rank=self.rank or 0, host=socket.gethostname(), pid=os.getpid())
