@@ -272,6 +272,11 @@ def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.Monkey
     [
         ({"enable": True, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "shm"}, None),
         ({"enable": True, "colocated_transport": "ipc"}, {"VERL_FASTSYNC_COLOCATED": "1"}, None),
+        (
+            {"enable": True, "colocated_transport": "shm", "verify": True},
+            {"VERL_FASTSYNC_COLOCATED": "shm"},
+            None,
+        ),
         ({"enable": True}, {}, None),
         ({"enable": False, "colocated_transport": "shm"}, {}, None),
         (
@@ -303,6 +308,7 @@ def test_colocated_switch_must_agree(config: dict[str, Any], env: dict[str, str]
         adapter.check_colocated_switch(parsed, env)
         if parsed.enable and parsed.colocated_transport:
             assert env["VERL_FASTSYNC_COLOCATED_TIMEOUT_S"] == "600.0"
+            assert env.get("VERL_FASTSYNC_COLOCATED_VERIFY") == ("1" if parsed.verify else None)
     else:
         with pytest.raises(FastsyncConfigError) as info:
             adapter.check_colocated_switch(parsed, env)

@@ -8,6 +8,7 @@ import gc
 import itertools
 import multiprocessing as mp
 import os
+import re
 import sys
 import threading
 import uuid
@@ -670,3 +671,30 @@ def test_segments_of_dead_owners_are_swept(monkeypatch: pytest.MonkeyPatch) -> N
         for path in paths:
             if os.path.exists(path):
                 os.remove(path)
+
+
+@pytest.mark.timeout(60)
+def test_verify_passes_clean_and_rejects_corrupted_bytes(handle: str) -> None:
+    from verl_fastsync.chunks import ChunkCorruptedError
+
+    weights = harness.make_weights("mixed")
+    got: list[tuple[str, tuple[int, ...], str, str]] = []
+    sender = ColocatedSender(handle, bucket_size_mb=1, use_shm=True, timeout_s=20, verify=True)
+    receiver = ColocatedReceiver(handle, "cpu", use_shm=True, timeout_s=20)
+    _run_pair(sender, receiver, weights, lambda batch, is_last: got.extend(harness.describe(batch)))
+    assert got == harness.describe(weights)
+
+    def corrupt_second_bucket(event: str, fields: dict[str, Any]) -> None:
+        if event == "bucket" and fields["seq"] == 1:
+            fields["view"][7] ^= 0xFF  # one byte flipped in flight, after the sender's checksum
+
+    received: list[str] = []
+    sender = ColocatedSender(handle, bucket_size_mb=1, use_shm=True, timeout_s=20, verify=True)
+    receiver = ColocatedReceiver(handle, "cpu", use_shm=True, timeout_s=20, event_hook=corrupt_second_bucket)
+    with pytest.raises((ColocatedError, ChunkCorruptedError)) as info:
+        _run_pair(sender, receiver, weights, lambda batch, is_last: received.extend(n for n, _ in batch))
+    assert "does not match" in str(info.value) or "checksum" in str(info.value)
+    assert re.search(r"tensor '[^']+'", str(info.value)), str(info.value)
+    # nothing from the corrupted bucket was handed over
+    first_bucket = len(received)
+    assert received == [n for n, _ in weights][:first_bucket]

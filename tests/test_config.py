@@ -35,9 +35,10 @@ def test_full_config() -> None:
             "disabled_plugins": ["a", "b"],
             "timeout_s": 30,
             "colocated_transport": "shm",
+            "verify": True,
         }
     )
-    assert config == FastsyncConfig(True, "adaptive", "none", 2.0, ("a", "b"), 30.0, "shm")
+    assert config == FastsyncConfig(True, "adaptive", "none", 2.0, ("a", "b"), 30.0, "shm", True)
 
 
 @pytest.mark.parametrize(

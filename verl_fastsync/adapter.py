@@ -190,7 +190,7 @@ def check_colocated_switch(config: FastsyncConfig, environ: Any) -> None:
     raw = environ.get("VERL_FASTSYNC_COLOCATED", "")
     if wanted is None and raw.strip().lower() in ("", "0", "false", "off", "no"):
         return
-    from verl_fastsync.colocated import ENV_ENABLE, ENV_TIMEOUT, colocated_transport_name
+    from verl_fastsync.colocated import ENV_ENABLE, ENV_TIMEOUT, ENV_VERIFY, colocated_transport_name
 
     try:
         named = colocated_transport_name(use_shm=wanted == "shm", environ=environ)
@@ -210,6 +210,8 @@ def check_colocated_switch(config: FastsyncConfig, environ: Any) -> None:
             f"add {override}={wanted}"
         )
     environ.setdefault(ENV_TIMEOUT, str(config.timeout_s))
+    if config.verify:
+        environ[ENV_VERIFY] = "1"
 
 
 def _rollout_config(worker_config: Any) -> Any:

@@ -106,10 +106,12 @@ from verl_fastsync.chunks import (
     BUCKET_ALIGN,
     Assembler,
     Bucket,
+    ChunkCorruptedError,
     ChunkMeta,
     DuplicateTensorError,
     bucket_chunk_views,
     byte_view,
+    chunk_checksum,
     dtype_to_str,
     leading_slice_bytes,
     pack_bucket,
@@ -148,6 +150,9 @@ ENV_ENABLE = "VERL_FASTSYNC_COLOCATED"
 """Per-process switch (see the module docstring for the values)."""
 
 ENV_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
+ENV_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
+"""``1``: the sender attaches an xxhash checksum to every chunk and the receiver checks it (the adapter
+sets it in the trainer process from ``custom.fastsync.verify``)."""
 """Override of the default timeout (seconds) of every blocking wait."""
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -217,6 +222,7 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
     transport: str
     slots: list[SlotDesc]
     sender_pid: int
+    verify: bool = False
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", kw_only=True):
@@ -300,6 +306,20 @@ def _default_timeout() -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive, finite number of seconds")
     return value
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _ON
+
+
+def _with_checksums(metas: list[ChunkMeta], slot: torch.Tensor) -> list[ChunkMeta]:
+    """``metas`` with the xxhash of each chunk's packed bytes (``verify``: a debugging aid that reads
+    every byte once more; a device slot is read back to the host for it)."""
+    out = []
+    for meta in metas:
+        data = slot[meta.bucket_offset : meta.bucket_offset + meta.chunk_size]
+        out.append(msgspec.structs.replace(meta, checksum=chunk_checksum(data.cpu())))
+    return out
 
 
 def _check_timeout(timeout_s: float | None) -> float:
@@ -1067,6 +1087,7 @@ class ColocatedSender:
         *,
         transport: str | None = None,
         timeout_s: float | None = None,
+        verify: bool | None = None,
         device_module: Any = None,
         memory: SlotMemory | None = None,
         event_hook: EventHook | None = None,
@@ -1084,6 +1105,7 @@ class ColocatedSender:
         name = transport or colocated_transport_name(self.use_shm) or ("shm" if self.use_shm else "ipc")
         self.transport = memory.name if memory is not None else name
         self.timeout_s = _check_timeout(timeout_s)
+        self.verify = _env_flag(ENV_VERIFY) if verify is None else bool(verify)
         self.device_module = device_module
         self._memory = memory
         self._hook = event_hook or _noop_hook
@@ -1190,11 +1212,12 @@ class ColocatedSender:
             self._hook("pack", {"slot": slot, "seq": seq})
             types = {data.device.type for _, data in bucket.chunks if data.device.type != "cpu"}
             pack_bucket(bucket, slots.tensors[slot])
+            metas = _with_checksums(bucket.metas, slots.tensors[slot]) if self.verify else bucket.metas
             stats["chunked"] += sum(1 for m in bucket.metas if not m.is_whole and m.chunk_offset == 0)
             self._fence(
                 slots.tensors[slot], types, bool(getattr(slots.memory, "device_resident", False)), slot, seq
             )
-            held = (seq, slot, bucket.metas)
+            held = (seq, slot, metas)
             stats["buckets"] += 1
             seq += 1
 
@@ -1205,6 +1228,7 @@ class ColocatedSender:
                 transport=self.transport,
                 slots=list(slots.descs),
                 sender_pid=os.getpid(),
+                verify=self.verify,
             )
             deadline = time.monotonic() + self.timeout_s
             reply: Message | None = None
@@ -1439,7 +1463,7 @@ class ColocatedReceiver:
                 raise
             self._hook("hello_ack", {"tokens": slots.tokens})
             channel.send(HelloAck(schema_version=SCHEMA_VERSION, sync_id=sync_id), "hello")
-            assembler = Assembler(self.device, zero_copy=True)
+            assembler = Assembler(self.device, zero_copy=True, verify=hello.verify)
             while True:
                 phase = "wait-bucket"
                 msg = channel.recv(phase, expected_seq, names)
@@ -1460,7 +1484,7 @@ class ColocatedReceiver:
                 seq = msg.seq
                 names = [m.name for m in msg.chunks]
                 phase = "load"
-                self._hook("bucket", {"seq": seq, "slot": msg.slot})
+                self._hook("bucket", {"seq": seq, "slot": msg.slot, "view": slots.tensors[msg.slot]})
                 error: str | None = None
                 try:
                     weights = self._views(slots.tensors[msg.slot], msg.chunks, assembler)
@@ -1527,6 +1551,11 @@ class ColocatedReceiver:
         weights: list[tuple[str, torch.Tensor]] = []
         for meta, data in bucket_chunk_views(slot, metas):
             if self.expert_slice_loader is not None and not meta.is_whole and self._is_expert_slice(meta):
+                if assembler.verify and chunk_checksum(data.cpu()) != meta.checksum:
+                    raise ChunkCorruptedError(
+                        f"tensor {meta.name!r}: chunk at byte {meta.chunk_offset} does not match the "
+                        f"sender's checksum"
+                    )
                 dtype = str_to_dtype(meta.dtype)
                 row = meta.total_bytes // meta.shape[0]
                 first, stop = meta.chunk_offset // row, (meta.chunk_offset + meta.chunk_size) // row

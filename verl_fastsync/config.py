@@ -50,6 +50,8 @@ class FastsyncConfig:
     colocated_transport: str | None = None
     """Colocated transport replacing verl's bucketed sender/receiver (``shm``, ``ipc``); None keeps
     verl's own."""
+    verify: bool = False
+    """Colocated transport: an xxhash checksum per chunk, checked by the receiver (a debugging aid)."""
 
     def key(self, field: str) -> str:
         """The full Hydra key of ``field``."""
@@ -123,7 +125,7 @@ def parse_fastsync_config(raw: Mapping[str, Any] | None) -> FastsyncConfig:
         )
     values: dict[str, Any] = {}
     for field, value in raw.items():
-        if field == "enable":
+        if field in ("enable", "verify"):
             values[field] = _as_bool(field, value)
         elif field in ("pre_resume_cleanup", "post_transfer_cleanup"):
             values[field] = _as_name(field, value)
