@@ -67,7 +67,7 @@ def test_constructor_validation(engine_cls: Any) -> None:
             CheckpointEngineRegistry.new("fastsync", bucket_size=MIB, bucket_bytes=bad)
     with pytest.raises(ValueError, match="update_weights_bucket_megabytes=0"):
         CheckpointEngineRegistry.new("fastsync", bucket_size=0)
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+    with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
         CheckpointEngineRegistry.new("fastsync", bucket_size=MIB, timeout_s=-1)
     engine = CheckpointEngineRegistry.new("fastsync", bucket_size=MIB, bucket_bytes="64MiB", is_master=True)
     assert engine.bucket_size == 64 * MIB and engine.is_master
