@@ -22,16 +22,15 @@ import time
 from typing import Any, ClassVar
 
 import torch
-import zmq
 
-from verl_fastsync.transports.base import TransportError, default_host
-from verl_fastsync.transports.shm import ShmTransport
+from verl_fastsync.transports.base import TransportError
+from verl_fastsync.transports.shm import TcpControlledTransport
 from verl_fastsync.wire import BucketReady, SyncEnd, Welcome
 
 __all__ = ["NcclTransport"]
 
 
-class NcclTransport(ShmTransport):
+class NcclTransport(TcpControlledTransport):
     """NCCL broadcast engine transport (see module docstring)."""
 
     name: ClassVar[str] = "nccl"
@@ -46,22 +45,6 @@ class NcclTransport(ShmTransport):
         self._device: torch.device | None = None
 
     # -- setup -------------------------------------------------------------------------------
-
-    def _bind_control(self, sock: zmq.Socket[Any]) -> str:
-        addr = self.options.host or default_host()
-        port = sock.bind_to_random_port(f"tcp://{addr}")
-        return f"tcp://{addr}:{port}"
-
-    @classmethod
-    def _topology_extra(
-        cls, actor_metadata: list[dict[str, Any]], rollout_metadata: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        endpoint = actor_metadata[0].get("endpoint")
-        if not endpoint:
-            raise TransportError(
-                "nccl transport: trainer rank 0 reported no control endpoint (is_master=True?)"
-            )
-        return {"endpoint": endpoint}
 
     def _cuda_device(self) -> torch.device:
         if not torch.cuda.is_available():

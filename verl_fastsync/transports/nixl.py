@@ -26,16 +26,15 @@ import time
 from typing import Any, ClassVar
 
 import torch
-import zmq
 
-from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers, default_host
-from verl_fastsync.transports.shm import ShmTransport
+from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers
+from verl_fastsync.transports.shm import TcpControlledTransport
 from verl_fastsync.wire import BucketReady, Message, PeerBuffers, Welcome
 
 __all__ = ["NixlTransport"]
 
 
-class NixlTransport(ShmTransport):
+class NixlTransport(TcpControlledTransport):
     """NIXL engine transport (see module docstring)."""
 
     name: ClassVar[str] = "nixl"
@@ -57,22 +56,6 @@ class NixlTransport(ShmTransport):
         if self.options.is_master:
             meta["addr"] = self._bind_addr
         return meta
-
-    def _bind_control(self, sock: zmq.Socket[Any]) -> str:
-        self._bind_addr = self.options.host or default_host()
-        port = sock.bind_to_random_port(f"tcp://{self._bind_addr}")
-        return f"tcp://{self._bind_addr}:{port}"
-
-    @classmethod
-    def _topology_extra(
-        cls, actor_metadata: list[dict[str, Any]], rollout_metadata: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        endpoint = actor_metadata[0].get("endpoint")
-        if not endpoint:
-            raise TransportError(
-                "nixl transport: trainer rank 0 reported no control endpoint (is_master=True?)"
-            )
-        return {"endpoint": endpoint}
 
     def _mem_type(self) -> tuple[str, torch.device, int]:
         device = torch.device(self.options.device)

@@ -36,7 +36,7 @@ try:
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-from verl_fastsync.transports.base import BufferedTransport, TransportError
+from verl_fastsync.transports.base import BufferedTransport, TransportError, default_host
 from verl_fastsync.wire import (
     Abort,
     Attached,
@@ -387,3 +387,24 @@ class ShmTransport(BufferedTransport):
 
     def _release_slot(self, slot: int, bucket_index: int) -> None:
         self._send_to(None, BucketAck(rank=self.rank or 0, bucket_index=bucket_index, slot=slot))
+
+
+class TcpControlledTransport(ShmTransport):
+    """Base of the multi-host transports (``nixl``, ``nccl``) that reuse this module's control
+    protocol over TCP instead of an ``ipc://`` socket: receivers may live on other hosts."""
+
+    def _bind_control(self, sock: zmq.Socket[Any]) -> str:
+        self._bind_addr = self.options.host or default_host()
+        port = sock.bind_to_random_port(f"tcp://{self._bind_addr}")
+        return f"tcp://{self._bind_addr}:{port}"
+
+    @classmethod
+    def _topology_extra(
+        cls, actor_metadata: list[dict[str, Any]], rollout_metadata: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        endpoint = actor_metadata[0].get("endpoint")
+        if not endpoint:
+            raise TransportError(
+                f"{cls.name} transport: trainer rank 0 reported no control endpoint (is_master=True?)"
+            )
+        return {"endpoint": endpoint}
