@@ -87,6 +87,20 @@ def _round(x: float, multiple: int = 16) -> int:
     return max(multiple, round(x / multiple) * multiple)
 
 
+def _attention(p: str, hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: str) -> list[TensorSpec]:
+    """One Qwen3 decoder layer's norms and attention (GQA with q/k norms), shared by both layouts."""
+    return [
+        TensorSpec(p + "input_layernorm.weight", (hidden,), dtype),
+        TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), dtype),
+        TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), dtype),
+        TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), dtype),
+        TensorSpec(p + "self_attn.o_proj.weight", (hidden, heads * head_dim), dtype),
+        TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), dtype),
+        TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), dtype),
+        TensorSpec(p + "post_attention_layernorm.weight", (hidden,), dtype),
+    ]
+
+
 def _dense_layout(hidden: int, dtype: str, layers: int = 8) -> list[TensorSpec]:
     head_dim = 64 if hidden >= 256 else 16
     heads = max(4, hidden // head_dim)
@@ -97,14 +111,7 @@ def _dense_layout(hidden: int, dtype: str, layers: int = 8) -> list[TensorSpec]:
     for i in range(layers):
         p = f"model.layers.{i}."
         out += [
-            TensorSpec(p + "input_layernorm.weight", (hidden,), dtype),
-            TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), dtype),
-            TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), dtype),
-            TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), dtype),
-            TensorSpec(p + "self_attn.o_proj.weight", (hidden, heads * head_dim), dtype),
-            TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), dtype),
-            TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), dtype),
-            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), dtype),
+            *_attention(p, hidden, heads, kv_heads, head_dim, dtype),
             TensorSpec(p + "mlp.gate_proj.weight", (inter, hidden), dtype),
             TensorSpec(p + "mlp.up_proj.weight", (inter, hidden), dtype),
             TensorSpec(p + "mlp.down_proj.weight", (hidden, inter), dtype),
@@ -126,14 +133,7 @@ def _moe_layout(hidden: int, dtype: str, layers: int = 6, experts: int = 32) -> 
     for i in range(layers):
         p = f"model.layers.{i}."
         out += [
-            TensorSpec(p + "input_layernorm.weight", (hidden,), dtype),
-            TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), dtype),
-            TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), dtype),
-            TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), dtype),
-            TensorSpec(p + "self_attn.o_proj.weight", (hidden, heads * head_dim), dtype),
-            TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), dtype),
-            TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), dtype),
-            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), dtype),
+            *_attention(p, hidden, heads, kv_heads, head_dim, dtype),
             TensorSpec(p + "mlp.gate.weight", (experts, hidden), dtype),
             TensorSpec(p + "mlp.experts.gate_up_proj", (experts, 2 * inter, hidden), dtype),
             TensorSpec(p + "mlp.experts.down_proj", (experts, hidden, inter), dtype),
