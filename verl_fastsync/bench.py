@@ -1630,46 +1630,29 @@ def render_table(result: dict[str, Any]) -> str:
         rows = []
         for r in result[section]:
             head = [r["axis"]] if section == "scale" else []
+            row = [
+                *head,
+                r["transport"],
+                r["impl"],
+                r["kind"],
+                r["model"],
+                _fmt_bytes(r["model_bytes"]),
+                str(r["tensor_count"]),
+                _fmt_bytes(r["bucket_bytes"]),
+            ]
             if r["status"] == "ok":
-                rows.append(
-                    [
-                        *head,
-                        r["transport"],
-                        r["impl"],
-                        r["kind"],
-                        r["model"],
-                        _fmt_bytes(r["model_bytes"]),
-                        str(r["tensor_count"]),
-                        _fmt_bytes(r["bucket_bytes"]),
-                        _fmt_s(r["seconds"]),
-                        f"{_fmt_s(r['seconds_min'])}-{_fmt_s(r['seconds_max'])}",
-                        f"{r['gbps']:.2f}",
-                        f"{r['fraction_of_memcpy']:.2f}" if r["fraction_of_memcpy"] is not None else "-",
-                        _fmt_bytes(r["peak_sender_bytes"]),
-                        _fmt_bytes(r["peak_receiver_bytes"]),
-                        "ok",
-                    ]
-                )
+                row += [
+                    _fmt_s(r["seconds"]),
+                    f"{_fmt_s(r['seconds_min'])}-{_fmt_s(r['seconds_max'])}",
+                    f"{r['gbps']:.2f}",
+                    f"{r['fraction_of_memcpy']:.2f}" if r["fraction_of_memcpy"] is not None else "-",
+                    _fmt_bytes(r["peak_sender_bytes"]),
+                    _fmt_bytes(r["peak_receiver_bytes"]),
+                    "ok",
+                ]
             else:
-                rows.append(
-                    [
-                        *head,
-                        r["transport"],
-                        r["impl"],
-                        r["kind"],
-                        r["model"],
-                        _fmt_bytes(r["model_bytes"]),
-                        str(r["tensor_count"]),
-                        _fmt_bytes(r["bucket_bytes"]),
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                        "FAILED: " + _short(r["error"]),
-                    ]
-                )
+                row += ["-"] * 6 + ["FAILED: " + _short(r["error"])]
+            rows.append(row)
         headers = [
             "transport",
             "impl",
