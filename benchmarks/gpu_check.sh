@@ -131,7 +131,7 @@ fi
 #    1 GiB models, buckets 64 MiB..1 GiB; no cleanup section here (step 1 covers it)
 left=$((460 - ($(date +%s) - START)))
 [ $left -lt 60 ] && left=60
-step bench "$left" "$PY" -m verl_fastsync.cli bench --quiet \
+step bench "$left" "$PY" -m verl_fastsync.tools.cli bench --quiet \
     --sections transfer,scale --transports ipc,nccl,nixl,gloo,shm \
     --size-gib "$SIZE" --bucket-mib "$BUCKETS" --repeats 3 --scale-sizes 0.5,1,2 --scale-pieces 1,8 \
     --timeout 120 --json "$OUT/bench.json"

@@ -43,7 +43,7 @@ class _Holder:
 
 def _leave_cycles_holding(device_name: str, mib: int, pieces: int = 16) -> None:
     """Device tensors held only by unreachable reference cycles in the oldest GC generation (as
-    :func:`verl_fastsync.bench.make_garbage` leaves them): only a full ``gc.collect()`` frees them."""
+    :func:`verl_fastsync.tools.bench.make_garbage` leaves them): only a full ``gc.collect()`` frees them."""
     import torch
 
     if mib <= 0:
@@ -72,9 +72,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from verl_fastsync import plugins
-    from verl_fastsync.bench import BOUNDARIES, bench_device, build_heap, make_garbage
     from verl_fastsync.cleanup import run_boundary
     from verl_fastsync.config import FastsyncConfig
+    from verl_fastsync.tools.bench import BOUNDARIES, bench_device, build_heap, make_garbage
 
     device, device_name, source = bench_device()
     t0 = time.perf_counter()

@@ -128,7 +128,7 @@ class _Worker:
         if self.mode == "engine":
             from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
-            from verl_fastsync.engine import register_engine
+            from verl_fastsync.verl.engine import register_engine
 
             register_engine()
             register_engine()  # idempotent
@@ -367,7 +367,7 @@ class Cluster:
         if self.mode == "engine":
             from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
-            from verl_fastsync.engine import register_engine
+            from verl_fastsync.verl.engine import register_engine
 
             register_engine()
             cls: Any = CheckpointEngineRegistry.get("fastsync")

@@ -23,8 +23,9 @@ from _verl_fakes import (
 )
 
 import verl_fastsync
-from verl_fastsync import adapter, plugins
+from verl_fastsync import plugins
 from verl_fastsync.config import FastsyncConfigError
+from verl_fastsync.verl import adapter
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(120)]
 

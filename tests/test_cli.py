@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from _plugin_dist import write_plugin_dist
 
-from verl_fastsync import bench, cli, doctor, models
+from verl_fastsync.tools import bench, cli, doctor, models
 
 KEY = "actor_rollout_ref.rollout.custom.fastsync"
 
@@ -25,7 +25,7 @@ def _run_cli(
     *args: str, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "verl_fastsync.cli", *args],
+        [sys.executable, "-m", "verl_fastsync.tools.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

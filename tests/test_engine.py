@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def engine_cls() -> Any:
-    from verl_fastsync.engine import register_engine
+    from verl_fastsync.verl.engine import register_engine
 
     return register_engine()
 
@@ -31,7 +31,7 @@ def test_registration_is_idempotent_and_leaves_verl_engines(engine_cls: Any) -> 
     import verl.checkpoint_engine as ce
     from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-    from verl_fastsync.engine import register_engine
+    from verl_fastsync.verl.engine import register_engine
 
     before = dict(CheckpointEngineRegistry._registry)
     assert register_engine() is engine_cls
@@ -86,7 +86,7 @@ def _meta(bucket: int | None, free: int | None, master: bool = False) -> dict[st
 
 
 def test_auto_bucket_size(engine_cls: Any) -> None:
-    from verl_fastsync.engine import AUTO_CAP, AUTO_FLOOR, AUTO_FRACTION
+    from verl_fastsync.verl.engine import AUTO_CAP, AUTO_FLOOR, AUTO_FRACTION
 
     gib = 1 << 30
     metadata = [_meta(None, 8 * gib, True), _meta(None, 1 * gib), _meta(None, 4 * gib), _meta(None, 2 * gib)]

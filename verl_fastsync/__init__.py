@@ -27,7 +27,7 @@ and the user selects it with ``+actor_rollout_ref.rollout.custom.fastsync.pre_re
 The hook contracts are in :mod:`verl_fastsync.hookspecs`.
 
 Importing this package installs the plugin into verl (idempotent, nothing runs before verl's own
-modules are imported; see :mod:`verl_fastsync.adapter`). verl imports it through the ``verl.plugins``
+modules are imported; see :mod:`verl_fastsync.verl.adapter`). verl imports it through the ``verl.plugins``
 entry point (0.9.0+) or ``VERL_USE_EXTERNAL_MODULES=verl_fastsync`` (every release).
 """
 
@@ -50,7 +50,7 @@ __all__ = ["NAME", "__version__", "hookimpl", "hookspec", "install"]
 
 def install() -> None:
     """Install the plugin into verl: patches are applied when verl's modules get imported."""
-    from verl_fastsync.adapter import install_into_verl
+    from verl_fastsync.verl.adapter import install_into_verl
 
     install_into_verl()
 

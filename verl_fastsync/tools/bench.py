@@ -12,7 +12,7 @@ Sections (each measured between real processes, medians of ``--repeats`` with mi
     :class:`CpuDevice` stand-in (reported as ``device: cpu``): on CPU there is no caching allocator,
     so the section measures what the policies cost in garbage collection.
 ``transfer``
-    Every available transport moving a synthetic model (:mod:`verl_fastsync.models`) between two
+    Every available transport moving a synthetic model (:mod:`verl_fastsync.tools.models`) between two
     processes, at every bucket size, next to the stock verl path for the same model: verl's
     bucketed shared-memory sender/receiver (``impl: verl``, transport ``shm``) and verl's own NIXL
     checkpoint engine; a row with ``status: failed`` and verl's error where verl cannot carry it.
@@ -88,7 +88,7 @@ class BenchOptions:
     """Upper bound for every child process / transfer."""
 
     def check(self) -> None:
-        from verl_fastsync.models import PRESETS
+        from verl_fastsync.tools.models import PRESETS
 
         for m in self.models:
             if m not in PRESETS:
@@ -205,7 +205,7 @@ def bench_device(prefer_verl: bool = True) -> tuple[Any, str, str]:
 
     if torch.cuda.is_available():
         return torch.cuda, "cuda", "torch.cuda"
-    return CpuDevice(), "cpu", "verl_fastsync.bench.CpuDevice (no accelerator)"
+    return CpuDevice(), "cpu", "verl_fastsync.tools.bench.CpuDevice (no accelerator)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,7 +366,7 @@ def _exit_with_parent() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# child processes (hidden sub-commands of `python -m verl_fastsync.bench`)
+# child processes (hidden sub-commands of `python -m verl_fastsync.tools.bench`)
 
 
 class _Child:
@@ -377,7 +377,7 @@ class _Child:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "verl_fastsync.bench", *args],
+            [sys.executable, "-m", "verl_fastsync.tools.bench", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -693,7 +693,7 @@ class _Worker:
         self._trial_baseline: int | None = None
 
     def model(self, trial: dict[str, Any]) -> list[tuple[str, Any]]:
-        from verl_fastsync.models import build_model, model_spec, split_spec
+        from verl_fastsync.tools.models import build_model, model_spec, split_spec
 
         device = trial.get("device", "cpu")
         key = (trial["model"], trial["size_bytes"], trial["pieces"], trial["seed"], device)
@@ -842,7 +842,7 @@ class _Worker:
         )
 
     def run(self, trial: dict[str, Any]) -> dict[str, Any]:
-        from verl_fastsync.models import fingerprint
+        from verl_fastsync.tools.models import fingerprint
 
         tensors = self.prepare(trial)
         make_sender, make_receiver = self._endpoints(trial)
@@ -1019,7 +1019,7 @@ class _Trial:
 
 
 def _failed_row(trial: _Trial, error: str, **extra: Any) -> dict[str, Any]:
-    from verl_fastsync.models import model_spec, split_spec
+    from verl_fastsync.tools.models import model_spec, split_spec
 
     spec = model_spec(trial.model, trial.size_bytes)
     if trial.pieces > 1:

@@ -50,7 +50,7 @@ calls in its own order. ``aggressive_empty_cache`` at the end of ``init_model`` 
 checkpoint-engine path are never touched.
 
 Metrics of each sync (``fastsync/<boundary>/<field>``) go to one INFO log line per rank (logger
-``verl_fastsync.adapter``) and to :func:`last_sync_metrics`. No release carries the naive path's
+``verl_fastsync.verl.adapter``) and to :func:`last_sync_metrics`. No release carries the naive path's
 return value back to the trainer (the managers return ``{}`` or nothing), so verl's own return
 value is kept unchanged.
 """
@@ -460,7 +460,7 @@ def _patch_legacy_workers(module: ModuleType) -> None:
 
 def _register_checkpoint_engine(module: ModuleType) -> None:
     try:
-        from verl_fastsync.engine import register_engine
+        from verl_fastsync.verl.engine import register_engine
     except ImportError as exc:  # pragma: no cover - engine module optional while it is built
         logger.debug("verl-fastsync checkpoint engine not available: %s", exc)
         return

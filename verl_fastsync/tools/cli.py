@@ -30,8 +30,8 @@ def _csv(kind: type, name: str) -> Callable[[str], tuple[Any, ...]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from verl_fastsync import bench
-    from verl_fastsync.models import PRESETS
+    from verl_fastsync.tools import bench
+    from verl_fastsync.tools.models import PRESETS
 
     d = bench.BenchOptions()
     parser = argparse.ArgumentParser(prog="verl-fastsync", description=__doc__.splitlines()[0])
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from verl_fastsync import bench
+    from verl_fastsync.tools import bench
 
     if args.plot_path:
         try:
@@ -172,7 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from verl_fastsync import doctor
+    from verl_fastsync.tools import doctor
 
     report = doctor.diagnose(args.overrides)
     if args.json_out:

@@ -1,0 +1,1 @@
+"""Tools for people: the CLI, doctor, bench and the synthetic models. No verl process imports this package."""
