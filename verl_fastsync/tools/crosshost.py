@@ -41,6 +41,7 @@ from verl_fastsync.tools.netns import NamespacePair, NetnsWorker, unavailable_re
 __all__ = ["CrosshostOptions", "bench_section", "format_rows", "run_section"]
 
 MIB = 1 << 20
+_POLL_S = 0.0002  # the polling interval of fastsync's nixl transport
 _HERE = "verl_fastsync.tools.crosshost"
 _STATE: dict[Any, Any] = {}  # per worker process: sockets, groups, agents, buffers
 
@@ -53,6 +54,8 @@ class CrosshostOptions:
     streams: int = 4
     shape_gbit: tuple[float, ...] = (10.0, 25.0)
     timeout_s: float = 300.0
+    quick_rows: bool = False
+    """Leave out the rows that only explain (busy-polling NIXL, NIXL with an idle target)."""
     only: str | None = None
     """Run only the rows whose label contains this text (and no shaped rows)."""
 
@@ -65,7 +68,7 @@ class CrosshostOptions:
             raise ValueError(f"shape_gbit values must be in (0, 400] Gbit/s, got {self.shape_gbit!r}")
 
 
-QUICK = CrosshostOptions(payload_mib=128, repeats=3, shape_gbit=(10.0,), timeout_s=120.0)
+QUICK = CrosshostOptions(payload_mib=128, repeats=3, shape_gbit=(10.0,), timeout_s=120.0, quick_rows=True)
 
 # --------------------------------------------------------------------------------------------------
 # worker side (runs inside a namespace; every function takes and returns JSON values)
@@ -134,7 +137,7 @@ def tcp_recv(nbytes: int, streams: int, repeats: int) -> dict[str, Any]:
 
     def pull(conn: socket.socket, lo: int, hi: int) -> None:
         while lo < hi:
-            got = conn.recv_into(view[lo:hi])
+            got = conn.recv_into(view[lo:hi], hi - lo, socket.MSG_WAITALL)  # one syscall, no GIL
             if got == 0:
                 raise ConnectionError("sender closed the connection early")
             lo += got
@@ -300,12 +303,12 @@ def nixl_agent(nbytes: int, sender: bool) -> dict[str, Any]:
     }
 
 
-def _wait(check: Callable[[], bool], spin: bool, deadline: float, what: str) -> None:
+def _wait(check: Callable[[], bool], interval_s: float, deadline: float, what: str) -> None:
     while not check():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not done by the deadline")
-        if not spin:
-            time.sleep(0.0002)
+        if interval_s:
+            time.sleep(interval_s)
 
 
 def nixl_write(
@@ -329,22 +332,19 @@ def nixl_write(
                 raise RuntimeError("NIXL WRITE failed")
             return s["s"] == "DONE"
 
-        _wait(done, spin, time.monotonic() + timeout_s, f"NIXL WRITE {i}")
+        _wait(done, 0.0 if spin else _POLL_S, time.monotonic() + timeout_s, f"NIXL WRITE {i}")
         agent.release_xfer_handle(handle)
     return {"starts": starts, "digest": _digest([buf])}
 
 
-def nixl_wait(sender: str, repeats: int, spin: bool, timeout_s: float) -> dict[str, Any]:
+def nixl_wait(sender: str, repeats: int, interval_s: float, timeout_s: float) -> dict[str, Any]:
+    """Wait for each WRITE's notification, checking every ``interval_s`` (0: busy-poll). Checking
+    also progresses this agent's UCX worker; with UCX over TCP the target must progress too."""
     agent, buf = _STATE["nixl"], _STATE["nixl_buf"]
     ends = []
     for i in range(repeats):
-        tag = f"fsx{i}".encode()
-        _wait(
-            functools.partial(agent.check_remote_xfer_done, sender, tag),
-            spin,
-            time.monotonic() + timeout_s,
-            f"notif {i}",
-        )
+        check = functools.partial(agent.check_remote_xfer_done, sender, f"fsx{i}".encode())
+        _wait(check, interval_s, time.monotonic() + timeout_s, f"notification of WRITE {i}")
         ends.append(time.monotonic())
     return {"ends": ends, "digest": _digest([buf])}
 
@@ -424,7 +424,7 @@ def _tcp(run: _Run, streams: int) -> tuple[list[float], str]:
         f"{_HERE}:tcp_recv",
         {"nbytes": run.nbytes, "streams": streams, "repeats": reps},
     )
-    return _timed(sent, got), f"{streams} TCP stream(s), sendall/recv_into"
+    return _timed(sent, got), f"{streams} TCP stream(s), sendall / recv_into(MSG_WAITALL)"
 
 
 def _raw_gloo(run: _Run) -> tuple[list[float], str]:
@@ -462,7 +462,7 @@ def _fastsync(run: _Run, transport: str) -> tuple[list[float], str]:
     return seconds, f"{run.opts.bucket_mib} MiB buckets; setup per sync {setup:.2f} s (not timed)"
 
 
-def _raw_nixl(run: _Run, spin: bool) -> tuple[list[float], str]:
+def _raw_nixl(run: _Run, spin: bool, target_s: float) -> tuple[list[float], str]:
     try:
         import nixl._api  # noqa: F401
     except ImportError as exc:
@@ -474,10 +474,11 @@ def _raw_nixl(run: _Run, spin: bool) -> tuple[list[float], str]:
         f"{_HERE}:nixl_write",
         {"peer": peer, "nbytes": run.nbytes, "repeats": reps, "spin": spin, "timeout_s": t},
         f"{_HERE}:nixl_wait",
-        {"sender": mine["agent"], "repeats": reps, "spin": spin, "timeout_s": t},
+        {"sender": mine["agent"], "repeats": reps, "interval_s": target_s, "timeout_s": t},
     )
-    how = "busy-polling" if spin else "polling every 0.2 ms"
-    return _timed(sent, got), f"one WRITE of the whole payload with a notification; both sides {how}"
+    how = "busy-polls" if spin else f"polls every {_POLL_S * 1e3:g} ms"
+    target = "busy-polls" if not target_s else f"checks every {target_s * 1e3:g} ms"
+    return _timed(sent, got), f"one WRITE of the payload + notification; sender {how}, target {target}"
 
 
 def _row(
@@ -520,6 +521,7 @@ LINK_N = "raw link: TCP, {n} streams"
 RAW_GLOO = "raw gloo broadcast"
 RAW_NIXL_SPIN = "raw NIXL WRITE (busy-poll)"
 RAW_NIXL_POLL = "raw NIXL WRITE (0.2 ms poll)"
+RAW_NIXL_IDLE = "raw NIXL WRITE (target checks every 50 ms)"
 
 
 def run_section(opts: CrosshostOptions) -> list[dict[str, Any]]:
@@ -534,10 +536,13 @@ def run_section(opts: CrosshostOptions) -> list[dict[str, Any]]:
         (link[1], "raw", "tcp", (), functools.partial(_tcp, streams=opts.streams)),
         (RAW_GLOO, "raw", "gloo", link, _raw_gloo),
         ("fastsync gloo", "fastsync", "gloo", (RAW_GLOO,), functools.partial(_fastsync, transport="gloo")),
-        (nixl[0], "raw", "nixl", link, functools.partial(_raw_nixl, spin=True)),
-        (nixl[1], "raw", "nixl", link, functools.partial(_raw_nixl, spin=False)),
+        (nixl[0], "raw", "nixl", link, functools.partial(_raw_nixl, spin=True, target_s=0.0)),
+        (nixl[1], "raw", "nixl", link, functools.partial(_raw_nixl, spin=False, target_s=_POLL_S)),
+        (RAW_NIXL_IDLE, "raw", "nixl", link, functools.partial(_raw_nixl, spin=False, target_s=0.05)),
         ("fastsync nixl", "fastsync", "nixl", nixl, functools.partial(_fastsync, transport="nixl")),
     ]
+    if opts.quick_rows:  # busy-polling costs seconds on a small loaded host; the idle target explains
+        specs = [s for s in specs if s[0] not in (RAW_NIXL_SPIN, RAW_NIXL_IDLE)]
     specs = [s for s in specs if opts.only is None or opts.only.lower() in s[0].lower()]
     reason = unavailable_reason()
     rows: list[dict[str, Any]] = []
