@@ -211,9 +211,8 @@ def test_doctor_reports_third_party_plugin(tmp_path: Path) -> None:
                 return CleanupOutcome()
 
             @hookimpl
-            def pre_resume_cleanup(policy, available):
-                available.append("twice")
-                return _twice if policy == "twice" else None
+            def pre_resume_cleanup():
+                return {"twice": _twice}
             """,
         entry_name="twice",
     )
@@ -221,7 +220,7 @@ def test_doctor_reports_third_party_plugin(tmp_path: Path) -> None:
     env = {"PYTHONPATH": pythonpath}
     rc, report, err = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.pre_resume_cleanup=twice", env=env)
     assert rc == 0, (report["problems"], err)
-    assert report["plugins"]["hooks"]["pre_resume_cleanup"] == ["twice", "fastsync-cleanup"]
+    assert report["plugins"]["hooks"]["pre_resume_cleanup"] == ["fastsync-cleanup", "twice"]
     assert "twice" in report["cleanup_policies"]["pre_resume_cleanup"]
     # blocking it by its entry-point name removes it, and the config naming its policy then fails
     rc, report, _ = _doctor_json(
