@@ -214,7 +214,7 @@ def bench_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             "verl",
             "shm",
             [r for r in timing if r["path"] == "verl"],
-            "",
+            None,
             "verl 0.9.1 BucketedWeightSender/Receiver into vLLM's load_weights (test-side CPU platform)",
         ),
         _row(
@@ -246,7 +246,7 @@ def bench_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "fastsync",
                 engine["transport"],
                 syncs,
-                "",
+                None,
                 "checkpoint engine into CheckpointEngineWorker.update_weights -> ServerAdapter",
             )
         )
@@ -266,7 +266,7 @@ def bench_section(quick: bool) -> list[dict[str, Any]]:
                 "seconds": [],
                 "bytes": 0,
                 "status": NOT_BUILT,
-                "baseline": "",
+                "baseline": None,
                 "note": "",
             }
         ]
@@ -286,7 +286,7 @@ def bench_section(quick: bool) -> list[dict[str, Any]]:
                     "seconds": [],
                     "bytes": 0,
                     "status": f"error: {type(exc).__name__}: {exc}",
-                    "baseline": "",
+                    "baseline": None,
                     "note": "",
                 }
             )
@@ -302,7 +302,7 @@ def bench_section(quick: bool) -> list[dict[str, Any]]:
                     "seconds": [],
                     "bytes": 0,
                     "status": f"error: {reason}: {tail[0]}",
-                    "baseline": "",
+                    "baseline": None,
                     "note": "",
                 }
             )
