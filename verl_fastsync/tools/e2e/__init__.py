@@ -177,7 +177,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _row(
-    name: str, kind: str, transport: str, rows: list[dict[str, Any]], baseline: str, note: str
+    name: str, kind: str, transport: str, rows: list[dict[str, Any]], baseline: str | None, note: str
 ) -> dict[str, Any]:
     errors = [r["error"] for r in rows if r.get("error")]
     wrong = [r for r in rows if not r.get("error") and (r.get("params_wrong") or not r.get("greedy_ok"))]
