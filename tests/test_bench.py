@@ -253,7 +253,8 @@ def test_table_fits_width_and_prints_errors_whole_below() -> None:
     flat = " ".join(text.split())
     assert "[1] " + LONG_ERROR in flat  # whole, below
     assert lines.index(table_line) < next(i for i, line in enumerate(lines) if line.startswith("[1] error"))
-    assert "n/a [2]" in text and "[2] not available: needs CUDA (torch.cuda)" in flat
+    assert "not available at any bucket size: fastsync engine nccl [2]" in text
+    assert "[2] not available: needs CUDA (torch.cuda)" in flat
     assert "E2E (real vLLM): skipped: verl_fastsync.tools.e2e is not installed" in flat
     # cleanup: seconds added per call, never a ratio against a near-zero time
     assert "+400.0 ms" in text and "x" not in next(
