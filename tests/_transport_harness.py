@@ -175,10 +175,9 @@ class _Worker:
         if self.mode == "engine":
             metrics = asyncio.run(self.engine.send_weights(weights))
         else:
-            from verl_fastsync.chunks import aplan_buckets
 
             async def run() -> Any:
-                return await self.engine.send(aplan_buckets(weights, self.bucket))
+                return await self.engine.send(weights)
 
             metrics = asyncio.run(run()).as_metrics()
         seconds = time.perf_counter() - t0
@@ -235,14 +234,14 @@ def _log_segments(path: str) -> None:
     must not depend on other processes using /dev/shm at the same time)."""
     from verl_fastsync.transports import shm
 
-    original = shm._Segment.__init__
+    original = shm.Segment.__init__
 
-    def init(self: Any, name: str, size: int, create: bool) -> None:
+    def init(self: Any, name: str, size: int, create: bool, populate: bool = True) -> None:
         with open(path, "a") as fh:
             fh.write(name + "\n")
-        original(self, name, size, create)
+        original(self, name, size, create, populate)
 
-    shm._Segment.__init__ = init  # type: ignore[method-assign]
+    shm.Segment.__init__ = init  # type: ignore[method-assign]
 
 
 def _worker_main(

@@ -763,13 +763,11 @@ class _Worker:
         self._init_seconds = time.perf_counter() - t0
 
     def _run_engine(self, trial: dict[str, Any], tensors: list[tuple[str, Any]]) -> None:
-        from verl_fastsync.chunks import aplan_buckets
-
         engine = self._engine
         assert engine is not None, "init the engine transport first"
         try:
             if self.role == "sender":
-                stats = asyncio.run(engine.send(aplan_buckets(iter(tensors), trial["bucket_bytes"])))
+                stats = asyncio.run(engine.send(iter(tensors)))
             else:
                 dest = dict(tensors)
 

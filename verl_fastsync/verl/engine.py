@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from verl_fastsync.chunks import aplan_buckets, leading_slice_bytes, validate_bucket_size
+from verl_fastsync.chunks import leading_slice_bytes, validate_bucket_size
 from verl_fastsync.transports.base import (
     DEFAULT_TIMEOUT_S,
     EngineTransport,
@@ -292,7 +292,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         if size is None:
             raise TransportError("fastsync: send_weights before init_process_group (bucket size unknown)")
         align = (lambda _name, tensor: leading_slice_bytes(tensor)) if self.align_experts else None
-        stats = await self.transport.send(aplan_buckets(weights, size, align=align))
+        stats = await self.transport.send(weights, align=align)
         self.last_metrics = stats.as_metrics()
         return dict(self.last_metrics)
 
