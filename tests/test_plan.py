@@ -113,7 +113,9 @@ def test_acquire_and_on_full_drive_the_buffers() -> None:
     assert shipped == [(0, 400)] and acquired == [0, 1]
     assert planner.finish() == []
     assert shipped == [(0, 400), (1, 400)]
-    assert bytes(slots[1][:400].numpy()) == bytes(torch.ones(100, dtype=torch.float32).view(torch.uint8).numpy())
+    assert bytes(slots[1][:400].numpy()) == bytes(
+        torch.ones(100, dtype=torch.float32).view(torch.uint8).numpy()
+    )
 
 
 def test_acquire_must_return_a_big_enough_flat_byte_buffer() -> None:

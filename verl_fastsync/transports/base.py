@@ -41,6 +41,7 @@ buckets of views to a transport cannot own the bytes).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import math
 import socket
@@ -577,6 +578,11 @@ class BufferedTransport(EngineTransport):
     def _receive_done(self) -> None:
         """Hook run after the end message (e.g. a final ack)."""
 
+    def _interrupt_receive(self) -> bool:
+        """Make a running :meth:`_recv_next` return promptly (it may raise); True when supported.
+        Called on the receive error path so that no handle is closed while the worker thread uses it."""
+        return False
+
     def _destination_allocator(self) -> Allocate | None:
         """Where received tensors are allocated (``None``: ``torch.empty``)."""
         return None
@@ -602,13 +608,13 @@ class BufferedTransport(EngineTransport):
         self._stats = stats
         start = time.perf_counter()
         executor = self._executor
-        pending: asyncio.Future[BucketReady | SyncEnd] | None = None
+        pending: concurrent.futures.Future[BucketReady | SyncEnd] | None = None
         expected = 0
         try:
             self.inflight = _InFlight(phase="wait-bucket", bucket=0)
-            pending = loop.run_in_executor(executor, self._recv_next)
+            pending = executor.submit(self._recv_next)
             while True:
-                message = await pending
+                message = await asyncio.wrap_future(pending, loop=loop)
                 pending = None
                 if isinstance(message, SyncEnd):
                     self.inflight.phase = "end"
@@ -634,7 +640,7 @@ class BufferedTransport(EngineTransport):
                 expected += 1
                 if self.prefetch:
                     self.inflight.bucket = message.bucket_index + 1
-                    pending = loop.run_in_executor(executor, self._recv_next)
+                    pending = executor.submit(self._recv_next)
                 buffer = self._receiver_buffer(message.slot)
                 self._device_sync(buffer)
                 self.inflight.phase = "assemble"
@@ -662,7 +668,7 @@ class BufferedTransport(EngineTransport):
                 if pending is None:
                     self.inflight.phase = "wait-bucket"
                     self.inflight.bucket = expected
-                    pending = loop.run_in_executor(executor, self._recv_next)
+                    pending = executor.submit(self._recv_next)
                 else:
                     self.inflight.phase = "wait-bucket"
         except BaseException as exc:
@@ -670,9 +676,11 @@ class BufferedTransport(EngineTransport):
                 self._post_abort(Abort(reason=f"{type(exc).__name__}: {exc}", rank=self.rank))
             except Exception:  # pragma: no cover - best effort
                 pass
+            if pending is not None and not pending.cancel():
+                # _recv_next is running on the worker thread: stop it before its handles close
+                if self._interrupt_receive():
+                    concurrent.futures.wait([pending], timeout=self.options.timeout_s)
             self._safe_close()
-            if pending is not None:
-                pending.cancel()
             raise
         stats.tensors = assembler.num_tensors
         stats.seconds = time.perf_counter() - start

@@ -247,6 +247,13 @@ class ControlledTransport(BufferedTransport):
         if slot not in (0, 1):
             raise TransportError(f"{self.name} transport: sender named slot {slot}; only 0 and 1 exist")
 
+    def _interrupt_receive(self) -> bool:
+        channel = self._channel
+        if channel is None:
+            return False
+        channel.interrupt()
+        return True
+
     def _recv_next(self) -> BucketReady | SyncEnd:
         deadline = self._deadline()
         peer = f"trainer rank 0 at {self._endpoint}"
