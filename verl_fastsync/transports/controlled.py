@@ -26,6 +26,8 @@ import socket
 import time
 from typing import Any, ClassVar
 
+import zmq
+
 from verl_fastsync.io.control import ControlChannel
 from verl_fastsync.transports.base import BufferedTransport, TransportError
 from verl_fastsync.wire import (
@@ -154,7 +156,15 @@ class ControlledTransport(BufferedTransport):
     def _send_to(self, ident: bytes | None, message: Message) -> None:
         if self._channel is None:
             raise TransportError(f"{self.name} transport: control channel closed; {self.inflight.describe()}")
-        self._channel.send(encode(message), ident)
+        try:
+            self._channel.send(encode(message), ident)
+        except zmq.ZMQError as exc:
+            who = "trainer rank 0" if ident is None else f"rollout rank {self._peers.get(ident, '?')}"
+            raise TransportError(
+                f"{self.name} transport, {self.role} rank {self.rank}: cannot send "
+                f"{type(message).__name__} to {who}: {exc} (the peer closed its connection: timed out "
+                f"or died); {self.inflight.describe()}"
+            ) from exc
 
     def _handshake_sender(self) -> None:
         deadline = self._deadline()
