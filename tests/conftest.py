@@ -9,6 +9,7 @@ installed in the venv (0.9.1). ``scripts/test.sh`` runs the suite once per relea
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 # Helper modules of this suite (``_verl_fakes`` etc.) import as top-level modules; the directory
@@ -36,10 +37,27 @@ def pytest_report_header(config: pytest.Config) -> str:
         return f"verl not importable: {exc!r}"
 
 
+def release_tuple(version: str) -> tuple[int, int, int]:
+    """``"0.9.1"``, ``"0.10.0.dev"``, ``"0.9.0rc1"``, ``"0.8.0.post1"`` -> the numeric release, for
+    ordering only: never rebuild a version string from it (compare ``verl.__version__`` itself)."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
 @pytest.fixture(scope="session")
 def verl_version() -> tuple[int, int, int]:
-    """The release of verl under test, as a tuple."""
+    """The release of verl under test, as a tuple (for ordering; see :func:`release_tuple`)."""
     import verl
 
-    major, minor, patch = (int(part) for part in verl.__version__.split(".")[:3])
-    return (major, minor, patch)
+    return release_tuple(verl.__version__)
+
+
+@pytest.fixture(scope="session")
+def verl_version_string() -> str:
+    """``verl.__version__`` exactly as the release spells it (e.g. ``0.10.0.dev``)."""
+    import verl
+
+    return str(verl.__version__)

@@ -25,16 +25,16 @@ from _verl_fakes import (
 import verl_fastsync
 from verl_fastsync import plugins
 from verl_fastsync.config import FastsyncConfigError
-from verl_fastsync.verl import adapter
+from verl_fastsync.verl import adapter, importhook
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(autouse=True)
 def fresh_plugin_managers() -> Any:
-    plugins.plugin_manager.cache_clear()
+    plugins.reset()
     yield
-    plugins.plugin_manager.cache_clear()
+    plugins.reset()
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_install_twice_is_idempotent(ew: Any) -> None:
     verl_fastsync.install()
     adapter._patch_engine_workers(ew)
     assert ew.ActorRolloutRefWorker.update_weights is before
-    assert sys.meta_path.count(adapter._FINDER) == 1
+    assert sys.meta_path.count(importhook.FINDER) == 1
 
 
 @pytest.mark.parametrize("overrides", [[], fastsync_overrides(enable=False)], ids=["absent", "disabled"])
@@ -78,9 +78,8 @@ def test_disabled_makes_stock_calls(ew: Any, monkeypatch: pytest.MonkeyPatch, ov
     assert stock.before("resume:weights", "transfer") and stock.before("transfer", "resume:kv_cache")
 
 
-def test_light_no_gc_and_ordered(
-    ew: Any, monkeypatch: pytest.MonkeyPatch, verl_version: tuple[int, ...]
-) -> None:
+def test_light_no_gc_and_ordered(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    stock = sync(ew, monkeypatch, [], stock=True)
     events = sync(ew, monkeypatch, fastsync_overrides(enable=True))
     assert "gc" not in events
     pre = events[: events.index("resume:weights")]
@@ -90,11 +89,15 @@ def test_light_no_gc_and_ordered(
     offload = post.index("offload:cpu")
     assert post[offload + 1 : offload + 3] == ["synchronize", "empty_cache"]
     assert post.count("empty_cache") == 1
-    if verl_version >= (0, 9, 1):
+    # decided by what stock verl does (0.9.1 and later: a cross-rank barrier before the KV cache),
+    # never by the version number: the policy runs before that barrier
+    assert ("barrier" in post) is ("barrier" in stock)
+    if "barrier" in post:
         assert post.index("empty_cache") < post.index("barrier")
-    # one stock run for comparison: verl's own cleanup calls were replaced, not added to
-    stock = sync(ew, monkeypatch, [], stock=True)
+    # verl's own cleanup calls were replaced, not added to
     assert events.count("empty_cache") <= max(stock.count("empty_cache"), 2)
+    # and a device fence right before the KV cache comes back
+    assert events[events.index("resume:kv_cache") - 1] == "synchronize"
 
 
 def test_aggressive_collects_before_resume(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,9 +180,8 @@ THIRD_PARTY = """
         return CleanupOutcome()
 
     @hookimpl
-    def pre_resume_cleanup(policy, available):
-        available.append("light")
-        return _takeover if policy == "light" else None
+    def pre_resume_cleanup():
+        return {"light": _takeover}
 """
 
 
@@ -191,12 +193,15 @@ def test_third_party_entry_point_takes_over(ew: Any, monkeypatch: pytest.MonkeyP
     # the other boundary keeps the built-in
     post = events[events.index("transfer") : events.index("resume:kv_cache")]
     assert "empty_cache" in post
-    # blocking it restores the built-in
-    plugins.plugin_manager.cache_clear()
+    # blocking it restores the built-in; the block list must reach every process (environment)
+    plugins.reset()
     overrides = [
         *fastsync_overrides(enable=True),
         "+actor_rollout_ref.rollout.custom.fastsync.disabled_plugins=[fastsync_takeover]",
     ]
+    with pytest.raises(FastsyncConfigError, match="VERL_FASTSYNC_DISABLED_PLUGINS=fastsync_takeover"):
+        sync(ew, monkeypatch, overrides)
+    monkeypatch.setenv("VERL_FASTSYNC_DISABLED_PLUGINS", "fastsync_takeover")
     events = sync(ew, monkeypatch, overrides)
     assert events[: events.index("resume:weights")] == ["empty_cache"]
 
@@ -209,14 +214,15 @@ def test_raising_plugin_is_named(ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_p
         from verl_fastsync import hookimpl
 
         @hookimpl
-        def post_transfer_cleanup(policy, available):
+        def post_transfer_cleanup():
             raise RuntimeError("boom")
         """,
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     config = compose_config(fastsync_overrides(enable=True))
     with pytest.raises(
-        plugins.PluginHookError, match="plugin 'fastsync_broken' raised in hook post_transfer_cleanup"
+        plugins.PluginHookError,
+        match=r"plugin 'fastsync_broken' \(fastsync-broken 1.0\) raised in hook post_transfer_cleanup",
     ):
         ew.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
 
@@ -251,7 +257,7 @@ def test_legacy_fsdp_rollout_mode(monkeypatch: pytest.MonkeyPatch, verl_version:
     assert "gc" not in light
     assert light[: light.index("resume:weights")] == ["empty_cache"]
     post = light[light.index("transfer") : light.index("resume:kv_cache")]
-    assert post == ["transfer", "synchronize", "empty_cache"]
+    assert post == ["transfer", "synchronize", "empty_cache", "synchronize"]  # policy, then the fence
 
     aggressive = legacy(fastsync_overrides(enable=True, pre_resume_cleanup="aggressive"))
     assert aggressive.index("gc") < aggressive.index("resume:weights")
@@ -272,7 +278,30 @@ def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.Monkey
     ("config", "env", "error"),
     [
         ({"enable": True, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "shm"}, None),
-        ({"enable": True, "colocated_transport": "ipc"}, {"VERL_FASTSYNC_COLOCATED": "1"}, None),
+        ({"enable": True, "colocated_transport": "shm"}, {"VERL_FASTSYNC_COLOCATED": "1"}, None),
+        (
+            {"enable": True, "colocated_transport": "ipc"},
+            {"VERL_FASTSYNC_COLOCATED": "ipc"},
+            "colocated_transport='ipc' selects CUDA IPC, which this worker cannot use "
+            "(torch.cuda.is_available() is False); use colocated_transport=shm",
+        ),
+        (
+            {"enable": True, "colocated_transport": "shm", "timeout_s": 30},
+            {"VERL_FASTSYNC_COLOCATED": "shm"},
+            "fastsync.timeout_s=30 must also bound vLLM's receivers, which read "
+            "VERL_FASTSYNC_COLOCATED_TIMEOUT_S (this process has unset); add "
+            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FASTSYNC_COLOCATED_TIMEOUT_S=30",
+        ),
+        (
+            {"enable": True, "colocated_transport": "shm", "timeout_s": 30},
+            {"VERL_FASTSYNC_COLOCATED": "shm", "VERL_FASTSYNC_COLOCATED_TIMEOUT_S": "600"},
+            "(this process has 600)",
+        ),
+        (
+            {"enable": True, "colocated_transport": "shm", "timeout_s": 30},
+            {"VERL_FASTSYNC_COLOCATED": "shm", "VERL_FASTSYNC_COLOCATED_TIMEOUT_S": "30"},
+            None,
+        ),
         (
             {"enable": True, "colocated_transport": "shm", "verify": True},
             {"VERL_FASTSYNC_COLOCATED": "shm"},
@@ -302,15 +331,129 @@ def test_cleanup_outside_a_sync_is_verls_own(ew: Any, monkeypatch: pytest.Monkey
     ],
 )
 def test_colocated_switch_must_agree(config: dict[str, Any], env: dict[str, str], error: str | None) -> None:
+    import torch
+
     from verl_fastsync.config import parse_fastsync_config
 
+    if torch.cuda.is_available() and error is not None and "CUDA IPC" in error:
+        pytest.skip("needs a host without CUDA")
     parsed = parse_fastsync_config(config)
     if error is None:
         adapter.check_colocated_switch(parsed, env)
         if parsed.enable and parsed.colocated_transport:
-            assert env["VERL_FASTSYNC_COLOCATED_TIMEOUT_S"] == "600.0"
+            # this process sends: the named transport and the config's timeout, not setdefault
+            assert env["VERL_FASTSYNC_COLOCATED"] == parsed.colocated_transport
+            assert env["VERL_FASTSYNC_COLOCATED_TIMEOUT_S"] == str(parsed.timeout_s)
             assert env.get("VERL_FASTSYNC_COLOCATED_VERIFY") == ("1" if parsed.verify else None)
     else:
         with pytest.raises(FastsyncConfigError) as info:
             adapter.check_colocated_switch(parsed, env)
         assert error in str(info.value)
+
+
+@pytest.mark.parametrize("policy", ["none", "fence-free"])
+def test_fence_before_kv_cache_whatever_the_policy(
+    ew: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, policy: str
+) -> None:
+    """verl's own fence at the KV-cache boundary lived inside the cleanup fastsync replaces."""
+    write_plugin_dist(
+        tmp_path,
+        "fastsync_fencefree",
+        """
+        from verl_fastsync import hookimpl
+        from verl_fastsync.cleanup import CleanupOutcome
+
+        @hookimpl
+        def post_transfer_cleanup():
+            return {"fence-free": lambda ctx: CleanupOutcome()}
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    events = sync(ew, monkeypatch, fastsync_overrides(enable=True, post_transfer_cleanup=policy))
+    kv = events.index("resume:kv_cache")
+    last_transfer = max(i for i, e in enumerate(events) if e in ("transfer", "offload:cpu"))
+    assert "synchronize" in events[last_transfer:kv], events
+    assert events[kv - 1] == "synchronize"
+
+
+def test_failed_patch_fails_the_worker_at_start(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verl whose worker lacks what fastsync patches: never a silent stock run under enable=true."""
+    import types
+
+    fake = types.ModuleType("verl.workers.engine_workers")
+
+    class ActorRolloutRefWorker:
+        def __init__(self, config: Any, role: str) -> None:
+            self.config = config
+
+    fake.ActorRolloutRefWorker = ActorRolloutRefWorker  # type: ignore[attr-defined]
+    monkeypatch.setattr(importhook, "FAILURES", {})
+    importhook.run_callbacks(fake, [adapter._patch_engine_workers])
+    assert "has no 'update_weights'" in importhook.FAILURES["verl.workers.engine_workers"]
+    config = compose_config(fastsync_overrides(enable=True))
+    with pytest.raises(FastsyncConfigError) as info:
+        ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
+    message = str(info.value)
+    assert "could not patch this verl release (verl.workers.engine_workers:" in message
+    assert "ActorRolloutRefWorker has no 'update_weights'" in message
+    # disabled: verl runs unchanged, no error
+    ActorRolloutRefWorker(compose_config([]).actor_rollout_ref, "actor_rollout")
+
+
+def test_colocated_patch_failure_fails_the_receiver_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM worker with the switch on must not fall back to verl's receiver."""
+    import types
+
+    monkeypatch.setattr(importhook, "FAILURES", {})
+    changed = types.ModuleType(adapter.BUCKETED_TRANSFER)
+    changed.BucketedWeightSender = object  # type: ignore[attr-defined]  # the receiver was renamed
+    monkeypatch.setenv("VERL_FASTSYNC_COLOCATED", "shm")
+    with pytest.raises(importhook.PatchRequiredError, match="refusing to run verl's own receiver"):
+        importhook.run_callbacks(changed, [adapter._install_colocated])
+    assert "has no 'BucketedWeightReceiver'" in importhook.FAILURES[adapter.BUCKETED_TRANSFER]
+    monkeypatch.delenv("VERL_FASTSYNC_COLOCATED")
+    importhook.run_callbacks(changed, [adapter._install_colocated])  # switch off: logged, verl unchanged
+
+
+def test_metrics_reach_the_step_metrics(ew: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker return value -> driver-side capture -> Tracking.log, on the release's real classes."""
+    import verl.checkpoint_engine.base as base
+    from verl.utils.tracking import Tracking
+
+    assert getattr(base.CheckpointEngineManager.__init__, adapter._MARK)
+    assert getattr(Tracking.log, adapter._MARK)
+    events = Events()
+    install_recorders(monkeypatch, events, FakeDevice(events))
+    workers = [engine_worker(ew, compose_config(fastsync_overrides(enable=True)), events) for _ in range(2)]
+
+    class Group:  # the worker group verl's manager drives (ONE_TO_ALL -> one result per rank)
+        def update_weights(self, global_steps: Any = None, **kwargs: Any) -> list[Any]:
+            return [
+                run(ew.ActorRolloutRefWorker.update_weights(w, global_steps=global_steps)) for w in workers
+            ]
+
+    group = Group()
+    adapter._capture_worker_group(group)
+    results = group.update_weights(global_steps=1)
+    assert all(r["fastsync/pre_resume_cleanup/gc_ran"] == 0.0 for r in results)
+    logged: list[dict[str, Any]] = []
+
+    class Backend:
+        def log(self, data: dict[str, Any], step: int) -> None:
+            logged.append(dict(data))
+
+    tracker = Tracking.__new__(Tracking)
+    tracker.logger = {"console": Backend()}
+    tracker.log(data={"actor/loss": 1.0}, step=1)
+    tracker.log(data={"actor/loss": 2.0}, step=2)
+    assert logged[0]["actor/loss"] == 1.0
+    assert "fastsync/pre_resume_cleanup/seconds" in logged[0]
+    assert logged[0]["fastsync/post_transfer_cleanup/gc_ran"] == 0.0
+    assert not any(k.startswith("fastsync/") for k in logged[1])  # taken once
+
+
+def test_merge_rank_metrics_means_numbers_only() -> None:
+    merged = adapter.merge_rank_metrics(
+        [{"fastsync/a": 1.0, "other": 5, "fastsync/b": "x"}, {"fastsync/a": 3}, None, True]
+    )
+    assert merged == {"fastsync/a": 2.0}

@@ -40,6 +40,8 @@ from verl_fastsync.colocated import (
     release_colocated_resources,
     uninstall_colocated,
 )
+from verl_fastsync.colocated import memory as memory_mod
+from verl_fastsync.colocated import slots as slots_mod
 from verl_fastsync.plugins import (
     UnknownPluginNameError,
     available_transports,
@@ -216,7 +218,7 @@ def test_persistent_slots_reused_and_reallocated_on_size_change(handle: str) -> 
         sender = ColocatedSender(handle, bucket_size_mb=bucket_mb, use_shm=True, timeout_s=20)
         receiver = ColocatedReceiver(handle, "cpu", timeout_s=20)
         _run_pair(sender, receiver, weights, lambda batch, is_last: None)
-        tokens.append(tuple(d.token for d in colocated._SENDER_SLOTS[(handle, "shm")].descs))
+        tokens.append(tuple(d.token for d in slots_mod._SENDER_SLOTS[(handle, "shm")].descs))
 
     def pid_segments() -> list[str]:
         return [s for s in harness.shm_segments() if s.startswith(f"verl_fastsync_{os.getpid()}_")]
@@ -569,7 +571,7 @@ def test_shm_end_to_end_two_processes_on_verl_shapes(handle: str, monkeypatch: p
 
 @pytest.mark.timeout(60)
 def test_sglang_loader_pulls_weights_named_in_the_request(handle: str) -> None:
-    from verl_fastsync.colocated_receivers import pull_request_tensor, sglang_fastsync_loader
+    from verl_fastsync.colocated.sglang import pull_request_tensor, sglang_fastsync_loader
 
     weights = harness.make_weights("mixed")
     loaded: list[Any] = []
@@ -599,7 +601,7 @@ def test_sglang_loader_pulls_weights_named_in_the_request(handle: str) -> None:
 
 def test_sglang_loader_refuses_a_request_without_marker() -> None:
     from verl_fastsync.colocated import ColocatedProtocolError
-    from verl_fastsync.colocated_receivers import sglang_fastsync_loader
+    from verl_fastsync.colocated.sglang import sglang_fastsync_loader
 
     with pytest.raises(ColocatedProtocolError, match="no '__verl_fastsync_colocated_pull__' tensor"):
         sglang_fastsync_loader(object(), [("model.w", torch.zeros(2))])
@@ -609,7 +611,7 @@ def test_sglang_loader_refuses_a_request_without_marker() -> None:
 def test_sglang_trainer_side_yields_to_the_loop_until_the_worker_pulls(handle: str) -> None:
     """A non-leader rank (engine None): the sender's handshake lets other coroutines of its loop
     run, here the one that starts the worker (as SGLang's HTTP request would)."""
-    from verl_fastsync.colocated_receivers import (
+    from verl_fastsync.colocated.sglang import (
         pull_request_tensor,
         sglang_fastsync_loader,
         sglang_update_weights,
@@ -661,7 +663,7 @@ def test_segments_of_dead_owners_are_swept(monkeypatch: pytest.MonkeyPatch) -> N
     for path in paths:
         with open(path, "wb") as fh:
             fh.write(b"x")
-    monkeypatch.setattr(colocated, "_SWEPT", False)
+    monkeypatch.setattr(memory_mod, "_SWEPT", False)
     try:
         removed = colocated.sweep_dead_segments()
         assert os.path.basename(paths[0]) in removed

@@ -1,4 +1,5 @@
-"""The plugin manager: specs, built-ins, entry points, blocking, check_pending, selection errors."""
+"""The plugin manager and registry: specs, built-ins, entry points, merging, conflicts, blocking,
+type checks at start, check_pending, the 0.1-shape migration error."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import inspect
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pluggy
@@ -16,6 +18,15 @@ from verl_fastsync import NAME, hookimpl, hookspecs, plugins
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = ("pre_resume_cleanup", "post_transfer_cleanup", "weight_transport")
+BUILTIN_POLICIES = ["adaptive", "aggressive", "light", "none"]
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(plugins.ENV_DISABLED, raising=False)
+    plugins.reset()
+    yield
+    plugins.reset()
 
 
 @pytest.fixture
@@ -23,41 +34,94 @@ def pm() -> pluggy.PluginManager:
     return plugins.get_plugin_manager()
 
 
+def _dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str) -> None:
+    root = tmp_path / module
+    root.mkdir()
+    write_plugin_dist(root, module, source)
+    monkeypatch.syspath_prepend(str(root))
+
+
 def test_project_name_and_hooks(pm: pluggy.PluginManager) -> None:
     assert pm.project_name == NAME == "verl_fastsync"
-    assert {name for name in dir(pm.hook) if not name.startswith("_")} == set(HOOKS)
+    assert {name for name in dir(pm.hook) if not name.startswith("_")} == set(HOOKS) == set(plugins.HOOKS)
     for name in HOOKS:
         opts = getattr(pm.hook, name).spec.opts
-        assert opts["firstresult"] and not opts["historic"]
+        assert not opts["firstresult"] and not opts["historic"]  # every plugin's mapping is merged
 
 
-def test_builtins_are_trylast(pm: pluggy.PluginManager) -> None:
-    for hook in HOOKS:
-        impls = getattr(pm.hook, hook).get_hookimpls()
-        builtin = [i for i in impls if i.plugin_name in plugins.BUILTIN_PLUGINS]
-        assert builtin and all(i.trylast for i in builtin)
+def test_builtins_are_internal_plugins(pm: pluggy.PluginManager) -> None:
+    reg = plugins.registry_of(pm)
+    for boundary in plugins.BOUNDARIES:
+        assert list(reg.cleanup[boundary]) == BUILTIN_POLICIES
+        entry = reg.cleanup[boundary]["light"]
+        assert entry.plugin == plugins.BUILTIN_CLEANUP and entry.replaced is None
+        assert entry.distribution.startswith("verl-fastsync ")
+    assert list(reg.transports["engine"]) == ["gloo", "nccl", "nixl", "shm"]
+    assert list(reg.transports["colocated"]) == ["ipc", "shm"]
+
+
+def test_one_registry_per_process() -> None:
+    assert plugins.registry() is plugins.registry()
+    assert plugins.plugin_manager() is plugins.registry().pm
+    assert plugins.registry(["x"]) is not plugins.registry()
 
 
 def test_hookspecs_import_no_heavy_modules() -> None:
     code = (
-        "import sys, verl_fastsync.hookspecs, verl_fastsync.plugins; "
+        "import sys, verl_fastsync.hookspecs, verl_fastsync.plugins, verl_fastsync.config; "
         "print(sorted(m for m in ('torch', 'cupy', 'nixl', 'verl') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 
-def test_third_party_wins_over_builtin(pm: pluggy.PluginManager) -> None:
+def test_third_party_replaces_builtin_and_it_is_shown(pm: pluggy.PluginManager) -> None:
+    def mine(ctx: object) -> None:
+        return None
+
     class Mine:
         @hookimpl
-        def pre_resume_cleanup(self, policy: str, available: list[str]) -> object:
-            available.append("mine")
-            return "policy-object" if policy in ("mine", "light") else None
+        def pre_resume_cleanup(self) -> dict[str, object]:
+            return {"light": mine, "mine": mine}
 
     pm.register(Mine(), name="mine")
-    assert plugins.select_cleanup(pm, "pre_resume_cleanup", "light") == "policy-object"
+    reg = plugins.registry_of(pm)
+    assert reg.cleanup_policy("pre_resume_cleanup", "light") is mine
+    entry = reg.cleanup["pre_resume_cleanup"]["light"]
+    assert entry.plugin == "mine" and entry.replaced is not None
+    assert entry.replaced.plugin == plugins.BUILTIN_CLEANUP
     assert "mine" in plugins.available_cleanup_policies(pm, "pre_resume_cleanup")
-    assert plugins.select_cleanup(pm, "post_transfer_cleanup", "light") is not None
+    # the other boundary keeps the built-in
+    assert reg.cleanup["post_transfer_cleanup"]["light"].plugin == plugins.BUILTIN_CLEANUP
+
+
+def test_two_distributions_claiming_one_name_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for module in ("fastsync_one", "fastsync_two"):
+        _dist(
+            tmp_path,
+            monkeypatch,
+            module,
+            """
+            from verl_fastsync import hookimpl
+
+            @hookimpl
+            def weight_transport(kind):
+                return {"pigeon": object} if kind == "colocated" else None
+            """,
+        )
+    with pytest.raises(plugins.PluginConflictError) as info:
+        plugins.registry()
+    message = str(info.value)
+    assert "weight_transport(kind='colocated'): the name 'pigeon' is provided by two plugins" in message
+    assert "(fastsync-one 1.0)" in message and "(fastsync-two 1.0)" in message
+    # blocking one of them (environment: every process) resolves it
+    monkeypatch.setenv(plugins.ENV_DISABLED, "fastsync_two")
+    plugins.reset()
+    assert plugins.registry().transports["colocated"]["pigeon"].distribution == "fastsync-one 1.0"
 
 
 def test_unknown_names_list_available(pm: pluggy.PluginManager) -> None:
@@ -68,7 +132,7 @@ def test_unknown_names_list_available(pm: pluggy.PluginManager) -> None:
     )
     assert isinstance(info.value, ValueError)
     with pytest.raises(
-        plugins.UnknownPluginNameError, match=r"transport='warp': unknown engine transport; available: "
+        plugins.UnknownPluginNameError, match=r"transport='warp': unknown engine transport; available: gloo, "
     ):
         plugins.select_transport(pm, "warp", "engine")
     with pytest.raises(ValueError, match="unknown transport kind 'remote'; allowed: engine, colocated"):
@@ -77,63 +141,144 @@ def test_unknown_names_list_available(pm: pluggy.PluginManager) -> None:
         plugins.select_cleanup(pm, "mid_sync", "light")
 
 
-def test_blocking_builtin_removes_its_names() -> None:
+def test_blocking_builtin_removes_its_names_and_says_so() -> None:
     pm = plugins.get_plugin_manager(blocked=[plugins.BUILTIN_CLEANUP])
     assert plugins.available_cleanup_policies(pm, "pre_resume_cleanup") == []
-    with pytest.raises(plugins.UnknownPluginNameError, match=r"available: \(none registered\)"):
+    with pytest.raises(
+        plugins.UnknownPluginNameError,
+        match=r"available: \(none registered\) \(blocked by disabled_plugins: fastsync-cleanup\)",
+    ):
         plugins.select_cleanup(pm, "pre_resume_cleanup", "light")
 
 
+def test_block_list_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugins.ENV_DISABLED, " fastsync-transports ,, other")
+    assert plugins.blocked_from_env() == ("fastsync-transports", "other")
+    reg = plugins.registry()
+    assert reg.transports == {"engine": {}, "colocated": {}}
+    assert list(reg.cleanup["pre_resume_cleanup"]) == BUILTIN_POLICIES
+
+
 def test_entry_point_plugin_loaded_and_blockable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    write_plugin_dist(
+    _dist(
         tmp_path,
+        monkeypatch,
         "fastsync_extra_policy",
         """
         from verl_fastsync import hookimpl
 
         @hookimpl
-        def post_transfer_cleanup(policy, available):
-            available.append("twice")
-            return (lambda ctx: None) if policy == "twice" else None
+        def post_transfer_cleanup():
+            return {"twice": lambda ctx: None}
         """,
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     pm = plugins.get_plugin_manager()
     assert "twice" in plugins.available_cleanup_policies(pm, "post_transfer_cleanup")
     assert "fastsync_extra_policy" in plugins.hook_owners(pm)["post_transfer_cleanup"]
+    entry = plugins.registry_of(pm).cleanup["post_transfer_cleanup"]["twice"]
+    assert entry.distribution == "fastsync-extra-policy 1.0" and entry.replaced is None
     blocked = plugins.get_plugin_manager(blocked=["fastsync_extra_policy"])
     assert "twice" not in plugins.available_cleanup_policies(blocked, "post_transfer_cleanup")
 
 
 def test_check_pending_rejects_misspelled_hook(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    write_plugin_dist(
+    _dist(
         tmp_path,
+        monkeypatch,
         "fastsync_typo",
         """
         from verl_fastsync import hookimpl
 
         @hookimpl
-        def pre_resume_clenaup(policy, available):
+        def pre_resume_clenaup():
             return None
         """,
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(pluggy.PluginValidationError, match="pre_resume_clenaup"):
         plugins.get_plugin_manager()
     plugins.get_plugin_manager(blocked=["fastsync_typo"])  # blocking it is the way out
 
 
+def test_old_hook_shape_gets_a_migration_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _dist(
+        tmp_path,
+        monkeypatch,
+        "fastsync_old",
+        """
+        from verl_fastsync import hookimpl
+
+        @hookimpl
+        def pre_resume_cleanup(policy, available):
+            available.append("twice")
+            return None
+        """,
+    )
+    with pytest.raises(plugins.PluginShapeError) as info:
+        plugins.get_plugin_manager()
+    message = str(info.value)
+    assert (
+        "plugin 'fastsync_old' (fastsync-old 1.0) implements pre_resume_cleanup(policy, available)" in message
+    )
+    assert "the 0.1 hook shape. Since verl-fastsync 0.2.0" in message
+    assert "`def pre_resume_cleanup(): return {'mine': my_impl}`" in message
+    assert "VERL_FASTSYNC_DISABLED_PLUGINS=fastsync_old" in message
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (
+            "return ['twice']",
+            "returned ['twice'] from pre_resume_cleanup(); a hook returns {name: implementation}",
+        ),
+        ("return {'twice': 3}", "returned 'twice': 3 from pre_resume_cleanup(), which is not a callable"),
+        ("return {'': print}", "returned the name '' from pre_resume_cleanup()"),
+    ],
+)
+def test_returned_objects_type_checked_at_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, body: str, error: str
+) -> None:
+    module = f"fastsync_bad{abs(hash(body))}"  # a fresh module per case (sys.modules caches imports)
+    _dist(
+        tmp_path,
+        monkeypatch,
+        module,
+        f"""
+        from verl_fastsync import hookimpl
+
+        @hookimpl
+        def pre_resume_cleanup():
+            {body}
+        """,
+    )
+    with pytest.raises(plugins.PluginHookError) as info:
+        plugins.registry()
+    assert f"verl-fastsync plugin {module!r} ({module.replace('_', '-')} 1.0)" in str(info.value)
+    assert error in str(info.value)
+
+
+def test_engine_transport_checked_at_start(pm: pluggy.PluginManager) -> None:
+    class NoTopology:
+        @hookimpl
+        def weight_transport(self, kind: str) -> dict[str, object]:
+            return {"half": print} if kind == "engine" else {}
+
+    pm.register(NoTopology(), name="half")
+    with pytest.raises(plugins.PluginHookError, match="which is not an engine transport factory"):
+        plugins.registry_of(pm)
+
+
 def test_raising_plugin_named(pm: pluggy.PluginManager) -> None:
     class Broken:
         @hookimpl
-        def weight_transport(self, name: str, kind: str, available: list[str]) -> None:
-            raise KeyError(name)
+        def weight_transport(self, kind: str) -> None:
+            raise KeyError(kind)
 
     pm.register(Broken(), name="broken-transport")
     with pytest.raises(
-        plugins.PluginHookError, match="plugin 'broken-transport' raised in hook weight_transport"
+        plugins.PluginHookError, match=r"plugin 'broken-transport' .* raised in hook weight_transport"
     ):
-        plugins.select_transport(pm, "shm", "engine")
+        plugins.registry_of(pm)
 
 
 def test_every_hook_signature_documented_in_readme() -> None:
@@ -141,6 +286,13 @@ def test_every_hook_signature_documented_in_readme() -> None:
     for name in HOOKS:
         params = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
         assert re.search(rf"def {name}\({re.escape(params)}\)", readme), f"README lacks def {name}({params})"
+
+
+def test_every_hookspec_says_who_calls_it_and_what_a_factory_receives() -> None:
+    for name in HOOKS:
+        doc = inspect.getdoc(getattr(hookspecs, name)) or ""
+        assert "Called by:" in doc and ":return:" in doc
+        assert "receives" in doc
 
 
 def test_every_hook_has_a_test() -> None:

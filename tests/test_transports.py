@@ -240,11 +240,8 @@ class PigeonTransport(ShmTransport):
 
 
 @hookimpl
-def weight_transport(name, kind, available):
-    if kind != "engine":
-        return None
-    available.append("pigeon")
-    return PigeonTransport if name == "pigeon" else None
+def weight_transport(kind):
+    return {"pigeon": PigeonTransport} if kind == "engine" else None
 """
 
 CHECK = """

@@ -15,16 +15,18 @@ verl-fastsync is a pluggy host. Its project name and entry-point group are both 
         return CleanupOutcome()
 
     @hookimpl
-    def pre_resume_cleanup(policy, available):
-        available.append("twice")
-        return _empty_twice if policy == "twice" else None
+    def pre_resume_cleanup():
+        return {"twice": _empty_twice}          # {name: implementation}; the host merges them
 
     # pyproject.toml
     [project.entry-points.verl_fastsync]
     my_policy = "my_policy"
 
 and the user selects it with ``+actor_rollout_ref.rollout.custom.fastsync.pre_resume_cleanup=twice``.
-The hook contracts are in :mod:`verl_fastsync.hookspecs`.
+The hook contracts (which process calls each hook, what a factory receives) are in
+:mod:`verl_fastsync.hookspecs`; the merge rules (a built-in name may be replaced, two third parties
+claiming one name is an error) in :mod:`verl_fastsync.plugins`. ``verl-fastsync doctor`` lists every
+name with the distribution providing it.
 
 Importing this package installs the plugin into verl (idempotent, nothing runs before verl's own
 modules are imported; see :mod:`verl_fastsync.verl.adapter`). verl imports it through the ``verl.plugins``

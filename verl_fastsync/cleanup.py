@@ -27,11 +27,13 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from verl_fastsync import hookimpl
-from verl_fastsync.config import FastsyncConfig
+
+if TYPE_CHECKING:  # config sits above the policies (it imports the plugin registry)
+    from verl_fastsync.config import FastsyncConfig
 
 logger = logging.getLogger(__name__)
 
@@ -147,18 +149,14 @@ BUILTIN_POLICIES: dict[str, dict[str, CleanupPolicy]] = {
 }
 
 
-@hookimpl(trylast=True)
-def pre_resume_cleanup(policy: str, available: list[str]) -> CleanupPolicy | None:
-    table = BUILTIN_POLICIES["pre_resume_cleanup"]
-    available.extend(table)
-    return table.get(policy)
+@hookimpl
+def pre_resume_cleanup() -> Mapping[str, CleanupPolicy]:
+    return BUILTIN_POLICIES["pre_resume_cleanup"]
 
 
-@hookimpl(trylast=True)
-def post_transfer_cleanup(policy: str, available: list[str]) -> CleanupPolicy | None:
-    table = BUILTIN_POLICIES["post_transfer_cleanup"]
-    available.extend(table)
-    return table.get(policy)
+@hookimpl
+def post_transfer_cleanup() -> Mapping[str, CleanupPolicy]:
+    return BUILTIN_POLICIES["post_transfer_cleanup"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import pluggy
+from typing import Any
 
 KEY_PREFIX = "actor_rollout_ref.rollout.custom.fastsync"
 
@@ -44,9 +42,12 @@ class FastsyncConfig:
     adaptive_headroom_gib: float = 4.0
     """``adaptive`` runs GC + ``empty_cache()`` only when the device has less free memory than this."""
     disabled_plugins: tuple[str, ...] = ()
-    """Plugin names to block (entry-point names, or ``fastsync-cleanup`` / ``fastsync-transports``)."""
+    """Plugin names to block (entry-point names, or ``fastsync-cleanup`` / ``fastsync-transports``);
+    processes that never see the config read ``VERL_FASTSYNC_DISABLED_PLUGINS``, which must hold them
+    too (the adapter checks it at worker start)."""
     timeout_s: float = 600.0
-    """Upper bound of every blocking wait of the colocated transfer."""
+    """Upper bound of every blocking wait of the colocated transfer; vLLM's workers (the receivers)
+    read it from ``VERL_FASTSYNC_COLOCATED_TIMEOUT_S``, which the adapter checks agrees."""
     colocated_transport: str | None = None
     """Colocated transport replacing verl's bucketed sender/receiver (``shm``, ``ipc``); None keeps
     verl's own."""
@@ -153,16 +154,153 @@ def config_from_rollout(rollout_config: Any) -> FastsyncConfig:
     return parse_fastsync_config(_get(_get(rollout_config, "custom"), "fastsync"))
 
 
-def validate_names(config: FastsyncConfig, pm: pluggy.PluginManager) -> None:
-    """Check policy and transport names against the registered plugins (raises FastsyncConfigError)."""
+def validate_names(config: FastsyncConfig, registry: Any) -> None:
+    """Check policy and transport names against the registered plugins (raises FastsyncConfigError).
+
+    :param registry: a :class:`verl_fastsync.plugins.Registry` (or a plugin manager).
+    """
     from verl_fastsync import plugins
 
+    reg = plugins.registry_of(registry)
     try:
         for boundary in plugins.BOUNDARIES:
-            plugins.select_cleanup(pm, boundary, getattr(config, boundary), key=config.key(boundary))
+            reg.cleanup_policy(boundary, getattr(config, boundary), key=config.key(boundary))
         if config.colocated_transport is not None:
-            plugins.select_transport(
-                pm, config.colocated_transport, "colocated", key=config.key("colocated_transport")
-            )
+            reg.transport("colocated", config.colocated_transport, key=config.key("colocated_transport"))
     except plugins.UnknownPluginNameError as exc:
         raise FastsyncConfigError(str(exc)) from exc
+
+
+# -- checkpoint_engine.engine_kwargs.fastsync ---------------------------------------------------
+
+ENGINE_KEY_PREFIX = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync"
+ENGINE_KEYS = ("transport", "bucket_bytes", "timeout_s", "verify", "device", "zero_copy", "align_experts")
+"""The keys of ``engine_kwargs.fastsync`` every engine transport accepts (a third-party transport may
+declare more through ``engine_options``, see :func:`verl_fastsync.hookspecs.weight_transport`)."""
+_RESERVED_ENGINE_KEYS = {
+    "bucket_size": "verl passes bucket_size= (update_weights_bucket_megabytes) itself; use bucket_bytes "
+    "(e.g. bucket_bytes=64MiB)",
+    "is_master": "verl passes is_master= itself",
+}
+DEFAULT_ENGINE_TIMEOUT_S = 600.0
+
+
+class EngineKwargsError(FastsyncConfigError, TypeError):
+    """An invalid ``engine_kwargs.fastsync`` key or value (a ValueError and, for verl's keyword-argument
+    call, a TypeError)."""
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def parse_bucket_bytes(value: object, key: str = "engine_kwargs.fastsync.bucket_bytes") -> int | None:
+    """``None``/``"auto"`` -> ``None`` (auto); a positive int or ``"<n><unit>"`` -> bytes; else error."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(
+            f"{key}={value!r}: expected a positive number of bytes, a size like '64MiB', or 'auto'"
+        )
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{key}={value}: the bucket size must be > 0 bytes (or 'auto')")
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS:
+            size = int(match.group(1)) * _UNITS[match.group(2).lower()]
+            if size <= 0:
+                raise ValueError(f"{key}={value!r}: the bucket size must be > 0 bytes (or 'auto')")
+            return size
+    raise ValueError(
+        f"{key}={value!r}: not a bucket size; use a positive int (bytes), a size such as '64MiB' "
+        "(units B, KiB, MiB, GiB, KB, MB, GB) or 'auto'"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """Resolved ``engine_kwargs.fastsync`` of the ``fastsync`` checkpoint engine."""
+
+    transport: str = "shm"
+    bucket_bytes: int | None = None
+    """Explicit bucket size in bytes; None with :attr:`bucket_auto` false: verl's bucket_size."""
+    bucket_auto: bool = False
+    timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S
+    verify: bool = False
+    device: str = "cpu"
+    zero_copy: bool = True
+    align_experts: bool = False
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The selected transport's own declared options (``engine_options``), validated."""
+
+
+def parse_engine_kwargs(raw: Mapping[str, Any] | None, registry: Any = None) -> EngineSettings:
+    """Validate ``engine_kwargs.fastsync`` exactly as the engine does when verl constructs it.
+
+    :param registry: a :class:`verl_fastsync.plugins.Registry`: the transport name is checked against
+        it, and its ``engine_options`` validate the transport's own keys. ``None``: this process's.
+    """
+    from verl_fastsync import plugins
+
+    raw = dict(_to_plain(raw) or {})
+    where = "engine_kwargs.fastsync"
+    for key, why in _RESERVED_ENGINE_KEYS.items():
+        if key in raw:
+            raise EngineKwargsError(f"{where}.{key}={raw[key]!r} cannot be set: {why}")
+    transport = raw.pop("transport", "shm")
+    if not isinstance(transport, str) or not transport.strip():
+        raise EngineKwargsError(f"{where}.transport={transport!r} is invalid; allowed: a transport name")
+    reg = plugins.registry() if registry is None else plugins.registry_of(registry)
+    factory = reg.transport("engine", transport, key=f"{where}.transport")
+    declared: Mapping[str, Any] = getattr(factory, "engine_options", None) or {}
+    unknown = sorted(set(raw) - set(ENGINE_KEYS) - set(declared))
+    if unknown:
+        allowed = ", ".join((*ENGINE_KEYS, *declared))
+        raise EngineKwargsError(f"unknown {where} key(s) {unknown}; allowed: {allowed}")
+    values: dict[str, Any] = {"transport": transport}
+    if "bucket_bytes" in raw:
+        try:
+            size = parse_bucket_bytes(raw["bucket_bytes"], f"{where}.bucket_bytes")
+        except ValueError as exc:
+            raise EngineKwargsError(str(exc)) from exc
+        values["bucket_bytes"], values["bucket_auto"] = size, size is None
+    if "timeout_s" in raw:
+        value = raw["timeout_s"]
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value <= 0:
+            raise EngineKwargsError(
+                f"{where}.timeout_s={value!r} is invalid: timeout_s must be a finite number > 0 of seconds"
+            )
+        values["timeout_s"] = float(value)
+    for flag in ("verify", "zero_copy", "align_experts"):
+        if flag in raw:
+            try:
+                values[flag] = _as_bool(flag, raw[flag])
+            except FastsyncConfigError:
+                raise EngineKwargsError(
+                    f"{where}.{flag}={raw[flag]!r} is invalid; allowed: true or false"
+                ) from None
+    if "device" in raw:
+        device = raw["device"]
+        if not isinstance(device, str) or not device.strip():
+            raise EngineKwargsError(
+                f"{where}.device={device!r} is invalid; allowed: a device such as cpu or cuda:0"
+            )
+        values["device"] = device
+    extra: dict[str, Any] = {}
+    for key in sorted(set(raw) & set(declared) - set(ENGINE_KEYS)):
+        try:
+            extra[key] = declared[key](f"{where}.{key}", raw[key])
+        except (ValueError, TypeError) as exc:
+            raise EngineKwargsError(str(exc)) from exc
+    return EngineSettings(**values, extra=extra)

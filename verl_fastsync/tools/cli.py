@@ -1,6 +1,6 @@
-"""The ``verl-fastsync`` console script: ``bench`` and ``doctor``.
+"""The verl-fastsync console script: bench and doctor.
 
-Exit status: 0 when the run completed (``bench``: a ``failed`` row is a result, not an error) or
+Exit status: 0 when the run completed (bench: a row with an error is a result, not a failure) or
 the environment can do what was asked (``doctor``); 1 when something requested cannot work; 2 for
 a bad command line.
 """
@@ -29,80 +29,115 @@ def _csv(kind: type, name: str) -> Callable[[str], tuple[Any, ...]]:
     return parse
 
 
+def _both(quick: Any, full: Any) -> str:
+    def show(v: Any) -> str:
+        if isinstance(v, tuple):
+            return ",".join(":".join(map(str, x)) if isinstance(x, tuple) else str(x) for x in v) or "none"
+        return f"{v:,}" if isinstance(v, int) and v >= 10_000 else str(v)
+
+    if quick == full:
+        return f"default {show(quick)}"
+    return f"default {show(quick)}; with --full {show(full)}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from verl_fastsync.tools import bench
     from verl_fastsync.tools.models import PRESETS
 
-    d = bench.BenchOptions()
+    q, f = bench.BenchOptions(), bench.full_options()
     parser = argparse.ArgumentParser(prog="verl-fastsync", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser(
         "bench",
-        help="cleanup policies, transports and scaling side by side, against stock verl",
-        description=(bench.__doc__ or "").split("\n\n")[0],
+        help="weight sync and cleanup measured next to stock verl and the raw limit, in one run",
+        description=(bench.__doc__ or "").split("\n\nPackage layout")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    preset = b.add_mutually_exclusive_group()
+    preset.add_argument(
+        "--quick",
+        dest="preset",
+        action="store_const",
+        const="quick",
+        help="the quick preset (the default): one MoE-shaped model, about a minute on a 2-core CPU host",
+    )
+    preset.add_argument(
+        "--full",
+        dest="preset",
+        action="store_const",
+        const="full",
+        help="the full preset: every README figure, including the 2 GiB MoE-shaped model with 256 MiB "
+        "buckets; about 10-15 minutes on a 2-core CPU host. Options given next to it override it",
     )
     b.add_argument(
         "--model",
         dest="models",
         type=_csv(str, "--model"),
-        default=d.models,
-        help=f"model presets, comma-separated (default {','.join(d.models)}; allowed {','.join(PRESETS)})",
+        help=f"model presets, comma-separated; allowed: {', '.join(PRESETS)} ({_both(q.models, f.models)})",
     )
-    b.add_argument(
-        "--size-gib", type=float, default=d.size_gib, help=f"model size in GiB (default {d.size_gib})"
-    )
+    b.add_argument("--size-gib", type=float, help=f"model size in GiB ({_both(q.size_gib, f.size_gib)})")
     b.add_argument(
         "--bucket-mib",
         type=_csv(int, "--bucket-mib"),
-        default=d.bucket_mib,
-        help=f"bucket sizes in MiB, comma-separated (default {','.join(map(str, d.bucket_mib))})",
+        help=f"bucket sizes in MiB, comma-separated ({_both(q.bucket_mib, f.bucket_mib)})",
+    )
+    b.add_argument(
+        "--extra",
+        action="append",
+        metavar="MODEL:SIZE_GIB:BUCKET_MIB",
+        help=f"one more transfer configuration, repeatable, e.g. moe-small:2:256 ({_both(q.extra, f.extra)})",
     )
     b.add_argument(
         "--repeats",
         type=int,
-        default=d.repeats,
-        help=f"timed repeats per measurement, after an untimed warm-up run (default {d.repeats})",
+        help="timed repeats per measurement, after an untimed warm-up that checks the bytes "
+        f"({_both(q.repeats, f.repeats)})",
     )
     b.add_argument(
         "--heap-objects",
         type=int,
-        default=d.heap_objects,
-        help=f"GC-tracked objects in the cleanup child's heap (default {d.heap_objects:,})",
+        help=f"GC-tracked objects in the cleanup child's heap ({_both(q.heap_objects, f.heap_objects)})",
     )
     b.add_argument(
         "--transports",
         type=_csv(str, "--transports"),
-        default=None,
-        help="transports to run, comma-separated (default: every one this host can run)",
+        help=f"transports, comma-separated; built-in: {', '.join(bench.TRANSPORTS)}, or any registered "
+        "engine transport (default: every built-in one; those this host cannot run are reported "
+        "as not available)",
     )
     b.add_argument(
         "--sections",
         type=_csv(str, "--sections"),
-        default=d.sections,
-        help=f"sections to run (default {','.join(d.sections)})",
+        help=f"sections, comma-separated; allowed: {', '.join(bench.SECTIONS)} "
+        f"({_both(q.sections, f.sections)})",
     )
     b.add_argument(
         "--scale-sizes",
         type=_csv(float, "--scale-sizes"),
-        default=d.scale_sizes,
-        help="scale section: model sizes as multiples of --size-gib (default "
-        f"{','.join(map(str, d.scale_sizes))})",
+        help=f"scale section: model sizes as multiples of --size-gib ({_both(q.scale_sizes, f.scale_sizes)})",
     )
     b.add_argument(
         "--scale-pieces",
         type=_csv(int, "--scale-pieces"),
-        default=d.scale_pieces,
-        help="scale section: tensor-count multipliers at equal bytes (default "
-        f"{','.join(map(str, d.scale_pieces))})",
+        help="scale section: tensor-count multipliers at equal bytes "
+        f"({_both(q.scale_pieces, f.scale_pieces)})",
     )
-    b.add_argument("--seed", type=int, default=d.seed)
+    b.add_argument(
+        "--idle-s",
+        type=float,
+        help=f"idle section: seconds each transport sits idle ({_both(q.idle_s, f.idle_s)})",
+    )
+    b.add_argument(
+        "--seed",
+        type=int,
+        help=f"seed of the synthetic model's contents, which every transfer checks ({_both(q.seed, f.seed)})",
+    )
     b.add_argument(
         "--timeout",
         dest="timeout_s",
         type=float,
-        default=d.timeout_s,
-        help=f"seconds any child process or transfer may take (default {d.timeout_s:g})",
+        help=f"seconds any child process or transfer may take ({_both(q.timeout_s, f.timeout_s)})",
     )
     b.add_argument(
         "--json", dest="json_path", metavar="PATH", help="write the results as JSON (docs/bench-schema.md)"
@@ -111,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         dest="plot_path",
         metavar="PATH.png",
-        help="draw GB/s and peak memory against bucket size per transport (needs matplotlib)",
+        help="draw GB/s per bucket size, fastsync next to verl and the raw limit (needs matplotlib)",
     )
     b.add_argument("--quiet", action="store_true", help="no progress display on stderr")
 
@@ -139,19 +174,18 @@ def _bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    opts = bench.BenchOptions(
-        models=args.models,
-        size_gib=args.size_gib,
-        bucket_mib=args.bucket_mib,
-        repeats=args.repeats,
-        heap_objects=args.heap_objects,
-        transports=args.transports,
-        sections=args.sections,
-        scale_sizes=args.scale_sizes,
-        scale_pieces=args.scale_pieces,
-        seed=args.seed,
-        timeout_s=args.timeout_s,
-    )
+    opts = bench.full_options() if args.preset == "full" else bench.BenchOptions()
+    fields = ("models", "size_gib", "bucket_mib", "repeats", "heap_objects", "transports", "sections",
+              "scale_sizes", "scale_pieces", "idle_s", "seed", "timeout_s")  # fmt: skip
+    for name in fields:
+        if getattr(args, name) is not None:
+            setattr(opts, name, getattr(args, name))
+    try:
+        if args.extra is not None:
+            opts.extra = tuple(bench.parse_config(text) for text in args.extra)
+    except bench.BenchOptionError as exc:
+        print(f"verl-fastsync bench: {exc}", file=sys.stderr)
+        return 2
     try:
         opts.check()
     except bench.BenchOptionError as exc:

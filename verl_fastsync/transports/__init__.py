@@ -1,10 +1,12 @@
 """Built-in weight transports and their ``weight_transport`` hook implementation.
 
-The registry maps ``(kind, name)`` to a factory; the hook implementation is ``trylast`` so a
-third-party transport with the same name wins.
+The registry maps ``(kind, name)`` to a factory; the hook implementation returns the names of one
+kind (a third-party transport of the same name replaces the built-in, see :mod:`verl_fastsync.plugins`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from verl_fastsync import hookimpl
 from verl_fastsync.transports.base import TransportFactory
@@ -12,10 +14,9 @@ from verl_fastsync.transports.base import TransportFactory
 BUILTIN_TRANSPORTS: dict[tuple[str, str], TransportFactory] = {}
 
 
-@hookimpl(trylast=True)
-def weight_transport(name: str, kind: str, available: list[str]) -> TransportFactory | None:
-    available.extend(n for k, n in BUILTIN_TRANSPORTS if k == kind)
-    return BUILTIN_TRANSPORTS.get((kind, name))
+@hookimpl
+def weight_transport(kind: str) -> Mapping[str, TransportFactory]:
+    return {n: factory for (k, n), factory in BUILTIN_TRANSPORTS.items() if k == kind}
 
 
 def _colocated_shm(**kwargs: object) -> object:

@@ -112,7 +112,13 @@ class GlooTransport(BufferedTransport):
             host = kwargs.get("data_host") or ""
             # two connections per peer and the payload broadcast in parts: gloo then moves the parts
             # on several threads/sockets at once (measured ~1.7x one 64 MiB broadcast on loopback)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) for _ in range(_DEVICES)]
+            # across hosts each rank binds the address of its own host name (torch's default device)
+            opts._devices = [
+                dist.ProcessGroupGloo.create_device(hostname=host)
+                if host
+                else dist.ProcessGroupGloo.create_default_device()
+                for _ in range(_DEVICES)
+            ]
             opts._threads = 2 * _PARTS
             self._pg = dist.ProcessGroupGloo(
                 dist.PrefixStore("fastsync-gloo", self._store), int(self.rank or 0), self.world_size, opts

@@ -49,116 +49,104 @@ With ``enable`` false or absent every wrapper calls straight through: verl makes
 calls in its own order. ``aggressive_empty_cache`` at the end of ``init_model`` and the non-naive
 checkpoint-engine path are never touched.
 
-Metrics of each sync (``fastsync/<boundary>/<field>``) go to one INFO log line per rank (logger
-``verl_fastsync.verl.adapter``) and to :func:`last_sync_metrics`. No release carries the naive path's
-return value back to the trainer (the managers return ``{}`` or nothing), so verl's own return
-value is kept unchanged.
+A device fence (``synchronize()`` on verl's real device module) always precedes
+``resume(tags=["kv_cache"])``: verl's own fence at that boundary lived inside the cleanup call the
+adapter replaces, and ``post_transfer_cleanup=none`` (or a third-party policy) must not lose it.
+
+With ``enable: true`` a patch that could not be applied (verl changed) fails the worker at start,
+naming the verl module and what was missing (:mod:`verl_fastsync.verl.importhook`); a vLLM worker
+process with ``VERL_FASTSYNC_COLOCATED`` on fails its import of ``bucketed_weight_transfer`` the same
+way, so a switched sender never faces an unswitched receiver.
+
+Metrics of each sync (``fastsync/<boundary>/<field>``, and ``fastsync/colocated/*``) go to one INFO
+log line per rank (logger ``verl_fastsync.verl.adapter``), to :func:`last_sync_metrics`, and are the
+return value of the worker's naive ``update_weights`` where verl's own is ``None``. verl's
+``CheckpointEngineManager`` drops that value on every release, so the driver side captures the
+object refs of the workers' ``update_weights`` calls (``CheckpointEngineManager.__init__`` wraps its
+worker group's method) and :class:`verl.utils.tracking.Tracking` ``.log`` merges their ``fastsync/*``
+keys (mean over ranks) into the next step's metrics: wandb, tensorboard, console, ... on every
+release.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import logging
 import os
-import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 from verl_fastsync import cleanup, plugins
 from verl_fastsync.config import FastsyncConfig, FastsyncConfigError, config_from_rollout, validate_names
+from verl_fastsync.verl import importhook
+from verl_fastsync.verl.importhook import PatchRequiredError, when_imported
 
 logger = logging.getLogger(__name__)
 
 ENGINE_WORKERS = "verl.workers.engine_workers"
 LEGACY_WORKERS = ("verl.workers.fsdp_workers", "verl.workers.megatron_workers")
 CHECKPOINT_ENGINE = "verl.checkpoint_engine"
+CHECKPOINT_BASE = "verl.checkpoint_engine.base"
+TRACKING = "verl.utils.tracking"
 BUCKETED_TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
+PATCHED_MODULES = (
+    ENGINE_WORKERS,
+    *LEGACY_WORKERS,
+    CHECKPOINT_ENGINE,
+    CHECKPOINT_BASE,
+    TRACKING,
+    BUCKETED_TRANSFER,
+)
+
+ENV_COLOCATED = "VERL_FASTSYNC_COLOCATED"
+ENV_COLOCATED_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
+ENV_COLOCATED_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
+ENV_ROUTE = "+ray_kwargs.ray_init.runtime_env.env_vars"
+"""Hydra prefix of an environment variable every verl process (Ray actor, vLLM worker) sees."""
 
 _STATE_ATTR = "_verl_fastsync_state"
 _MARK = "__verl_fastsync_wrapped__"
-
-
-# --------------------------------------------------------------------------------------------
-# post-import hook
-
-
-class _CallbackLoader(importlib.abc.Loader):
-    """Delegates to the real loader, then runs the adapter's callbacks on the fresh module."""
-
-    def __init__(self, loader: importlib.abc.Loader, callbacks: Sequence[Callable[[ModuleType], None]]):
-        self._loader = loader
-        self._callbacks = callbacks
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        _run_callbacks(module, self._callbacks)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, ...
-        return getattr(self._loader, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    def __init__(self) -> None:
-        self.callbacks: dict[str, list[Callable[[ModuleType], None]]] = {}
-        self._resolving = threading.local()
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        callbacks = self.callbacks.get(fullname)
-        resolving: set[str] = self._resolving.__dict__.setdefault("names", set())
-        if not callbacks or fullname in resolving:
-            return None
-        resolving.add(fullname)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            resolving.discard(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _CallbackLoader(spec.loader, callbacks)
-        return spec
-
-
-def _run_callbacks(module: ModuleType, callbacks: Sequence[Callable[[ModuleType], None]]) -> None:
-    for callback in callbacks:
-        try:
-            callback(module)
-        except Exception:  # a failed patch must never break verl: it runs unpatched
-            logger.exception("verl-fastsync: patching %s failed; that part of verl runs unchanged", module)
-
-
-_FINDER = _PostImportFinder()
 _INSTALL_LOCK = threading.Lock()
-
-
-def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Run ``callback(module)`` once ``module_name`` is imported (now, if it already is)."""
-    _FINDER.callbacks.setdefault(module_name, []).append(callback)
-    module = sys.modules.get(module_name)
-    if module is not None and getattr(module, "__spec__", None) is not None:
-        _run_callbacks(module, [callback])
+_OFF = frozenset({"", "0", "false", "off", "no"})
 
 
 def install_into_verl() -> None:
     """Install the plugin (idempotent: the entry point and the env route may both call it)."""
     with _INSTALL_LOCK:
-        if _FINDER in sys.meta_path:
+        if not importhook.install_finder():
             return
-        sys.meta_path.insert(0, _FINDER)
         when_imported(ENGINE_WORKERS, _patch_engine_workers)
         for name in LEGACY_WORKERS:
             when_imported(name, _patch_legacy_workers)
         when_imported(CHECKPOINT_ENGINE, _register_checkpoint_engine)
+        when_imported(CHECKPOINT_BASE, _patch_checkpoint_manager)
+        when_imported(TRACKING, _patch_tracking)
         when_imported(BUCKETED_TRANSFER, _install_colocated)
+
+
+def _require(owner: Any, attr: str, where: str) -> Any:
+    """``owner.attr``, or a clear error naming what this verl release lacks."""
+    value = getattr(owner, attr, None)
+    if value is None:
+        raise AttributeError(
+            f"{where} has no {attr!r} (this verl release differs from what fastsync patches)"
+        )
+    return value
+
+
+def check_patches_applied() -> None:
+    """With ``enable=true``: every patch this process attempted must have been applied."""
+    failed = {name: why for name, why in importhook.FAILURES.items() if name in PATCHED_MODULES}
+    if failed:
+        details = "; ".join(f"{name}: {why}" for name, why in sorted(failed.items()))
+        raise FastsyncConfigError(
+            f"custom.fastsync.enable=true but verl-fastsync could not patch this verl release ({details}); "
+            "refusing to run verl's stock sync under a fastsync config. Use a supported verl "
+            "(0.7.1, 0.8.0, 0.9.0, 0.9.1) or set custom.fastsync.enable=false"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,52 +154,109 @@ def install_into_verl() -> None:
 
 
 class WorkerState:
-    """The fastsync config of one worker and its plugin manager, resolved once."""
+    """The fastsync config of one worker and its plugin registry, resolved (and checked) once."""
 
-    def __init__(self, config: FastsyncConfig):
+    def __init__(self, config: FastsyncConfig, environ: Any = None):
+        environ = os.environ if environ is None else environ
         self.config = config
-        self.pm = plugins.plugin_manager(tuple(config.disabled_plugins)) if config.enable else None
-        if self.pm is not None:
-            validate_names(config, self.pm)
-        check_colocated_switch(config, os.environ)
+        self.registry: plugins.Registry | None = None
+        if config.enable:
+            check_patches_applied()
+            check_disabled_plugins(config, environ)
+            self.registry = plugins.registry(config.disabled_plugins)
+            validate_names(config, self.registry)
+        check_colocated_switch(config, environ)
         self.last_metrics: dict[str, float] = {}
         self.syncs = 0
+
+
+def _env_hint(name: str, value: str) -> str:
+    return f"{ENV_ROUTE}.{name}={value}"
+
+
+def check_disabled_plugins(config: FastsyncConfig, environ: Any) -> None:
+    """``disabled_plugins`` must also be in :data:`~verl_fastsync.plugins.ENV_DISABLED`: the
+    checkpoint-engine workers and vLLM's workers build their registry from the environment only."""
+    env_blocked = set(plugins.blocked_from_env(environ))
+    missing = [name for name in config.disabled_plugins if name not in env_blocked]
+    if missing:
+        wanted = ",".join(dict.fromkeys([*plugins.blocked_from_env(environ), *config.disabled_plugins]))
+        raise FastsyncConfigError(
+            f"{config.key('disabled_plugins')}={list(config.disabled_plugins)} must reach every verl process "
+            f"(checkpoint-engine and vLLM workers see no config), but {plugins.ENV_DISABLED} lacks "
+            f"{', '.join(missing)}; add {_env_hint(plugins.ENV_DISABLED, wanted)}"
+        )
+
+
+def ipc_unsupported_reason() -> str | None:
+    """Why CUDA IPC cannot carry the colocated transfer in this process (None: it can)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "torch.cuda.is_available() is False"
+        from verl.utils.device import is_support_ipc
+
+        return None if is_support_ipc() else "verl.utils.device.is_support_ipc() is False"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def check_colocated_switch(config: FastsyncConfig, environ: Any) -> None:
     """The colocated transport must be switched on in the config *and* in every process's environment.
 
-    verl's vLLM worker processes (the receivers) never see the config, so the switch they read is the
-    environment variable ``VERL_FASTSYNC_COLOCATED``, which reaches every Ray actor through
-    ``+ray_kwargs.ray_init.runtime_env.env_vars``. A trainer worker starting with only one of the two
-    would hit a protocol mismatch at its first sync; it fails here instead, saying what to add.
+    verl's vLLM worker processes (the receivers) never see the config, so what they read is the
+    environment (``VERL_FASTSYNC_COLOCATED``, ``VERL_FASTSYNC_COLOCATED_TIMEOUT_S``), which reaches every
+    Ray actor through ``+ray_kwargs.ray_init.runtime_env.env_vars``. A trainer worker whose config and
+    environment disagree fails here, saying what to add, instead of at its first sync. The named
+    transport is what the sender uses (``ipc`` never silently becomes ``shm``); ``ipc`` on a device
+    without CUDA IPC fails here.
     """
     wanted = config.colocated_transport if config.enable else None
-    raw = environ.get("VERL_FASTSYNC_COLOCATED", "")
-    if wanted is None and raw.strip().lower() in ("", "0", "false", "off", "no"):
+    raw = str(environ.get(ENV_COLOCATED, ""))
+    if wanted is None and raw.strip().lower() in _OFF:
         return
-    from verl_fastsync.colocated import ENV_ENABLE, ENV_TIMEOUT, ENV_VERIFY, colocated_transport_name
+    from verl_fastsync.colocated import colocated_transport_name
 
     try:
         named = colocated_transport_name(use_shm=wanted == "shm", environ=environ)
     except ValueError as exc:
         raise FastsyncConfigError(str(exc)) from exc
-    override = f"+ray_kwargs.ray_init.runtime_env.env_vars.{ENV_ENABLE}"
     if wanted is None:
         raise FastsyncConfigError(
-            f"{ENV_ENABLE}={raw!r} switches verl's colocated transfer to fastsync, but "
+            f"{ENV_COLOCATED}={raw!r} switches verl's colocated transfer to fastsync, but "
             f"{config.key('colocated_transport')} is not set (or {config.key('enable')} is false); "
             f"set both or neither"
         )
     if named != wanted:
         raise FastsyncConfigError(
-            f"{config.key('colocated_transport')}={wanted!r} needs {ENV_ENABLE}={wanted} in every verl "
-            f"process (vLLM's workers see no config), but this process has {ENV_ENABLE}={raw!r}; "
-            f"add {override}={wanted}"
+            f"{config.key('colocated_transport')}={wanted!r} needs {ENV_COLOCATED}={wanted} in every verl "
+            f"process (vLLM's workers see no config), but this process has {ENV_COLOCATED}={raw!r}; "
+            f"add {_env_hint(ENV_COLOCATED, wanted)}"
         )
-    environ.setdefault(ENV_TIMEOUT, str(config.timeout_s))
+    if wanted == "ipc":
+        why = ipc_unsupported_reason()
+        if why is not None:
+            raise FastsyncConfigError(
+                f"{config.key('colocated_transport')}='ipc' selects CUDA IPC, which this worker cannot use "
+                f"({why}); use colocated_transport=shm (with {ENV_COLOCATED}=shm)"
+            )
+    env_timeout = str(environ.get(ENV_COLOCATED_TIMEOUT, "")).strip()
+    try:
+        receiver_timeout = float(env_timeout) if env_timeout else None
+    except ValueError:
+        receiver_timeout = -1.0
+    if receiver_timeout != config.timeout_s and not (receiver_timeout is None and config.timeout_s == 600.0):
+        raise FastsyncConfigError(
+            f"{config.key('timeout_s')}={config.timeout_s:g} must also bound vLLM's receivers, which read "
+            f"{ENV_COLOCATED_TIMEOUT} (this process has {env_timeout or 'unset'}); add "
+            f"{_env_hint(ENV_COLOCATED_TIMEOUT, f'{config.timeout_s:g}')}"
+        )
+    # this process is the sender: the named transport and the config's values, never verl's use_shm
+    environ[ENV_COLOCATED] = wanted
+    environ[ENV_COLOCATED_TIMEOUT] = str(config.timeout_s)
     if config.verify:
-        environ[ENV_VERIFY] = "1"
+        environ[ENV_COLOCATED_VERIFY] = "1"
 
 
 def _rollout_config(worker_config: Any) -> Any:
@@ -251,11 +296,12 @@ class _SyncScope:
         self.phase = "pre"
         self.records: list[cleanup.PhaseRecord] = []
         self.replaced_verl_calls: list[str] = []
+        self.fences = 0
 
     def _run(self, boundary: str) -> None:
-        assert self.state.pm is not None
+        assert self.state.registry is not None
         name = getattr(self.state.config, boundary)
-        policy = plugins.select_cleanup(self.state.pm, boundary, name, key=self.state.config.key(boundary))
+        policy = self.state.registry.cleanup_policy(boundary, name, key=self.state.config.key(boundary))
         self.records.append(cleanup.run_boundary(boundary, name, policy, self.device, self.state.config))
 
     def before_weights(self) -> None:
@@ -275,6 +321,14 @@ class _SyncScope:
 
     def verl_synchronize(self) -> None:
         self.after_transfer()
+
+    def before_kv_cache(self) -> None:
+        """The post-transfer boundary ends here at the latest, then a device fence: whatever the
+        policy did, every copy of the transfer and the offload is complete before the KV cache is
+        mapped back (verl's own fence lived inside the cleanup call fastsync replaced)."""
+        self.after_transfer()
+        self.device.synchronize()
+        self.fences += 1
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -309,7 +363,7 @@ class _RolloutProxy:
         if "weights" in tags:
             self._fastsync_scope.before_weights()
         if "kv_cache" in tags:
-            self._fastsync_scope.after_transfer()
+            self._fastsync_scope.before_kv_cache()
         return await self._fastsync_target.resume(*args, **kwargs)
 
     async def update_weights(self, *args: Any, **kwargs: Any) -> Any:
@@ -350,8 +404,8 @@ async def _run_sync(worker: Any, state: WorkerState, call: Callable[[], Any], st
         _ACTIVE.reset(token)
     state.syncs += 1
     state.last_metrics = scope.metrics()
-    if state.config.colocated_transport is not None and "verl_fastsync.colocated" in sys.modules:
-        state.last_metrics.update(sys.modules["verl_fastsync.colocated"].get_last_metrics("sender"))
+    if state.config.colocated_transport is not None:
+        state.last_metrics.update(_colocated_sender_metrics())
     logger.info(
         "fastsync sync #%d (step %s): %s; replaced verl calls: %s",
         state.syncs,
@@ -359,7 +413,16 @@ async def _run_sync(worker: Any, state: WorkerState, call: Callable[[], Any], st
         ", ".join(f"{r.boundary}={r.policy} {r.seconds * 1e3:.2f} ms gc={r.gc_ran}" for r in scope.records),
         scope.replaced_verl_calls or "none",
     )
-    return result
+    # verl's naive path returns None; the metrics take its place so the driver can collect them
+    return dict(state.last_metrics) if result is None else result
+
+
+def _colocated_sender_metrics() -> dict[str, float]:
+    import sys
+
+    module = sys.modules.get("verl_fastsync.colocated")
+    get = getattr(module, "get_last_metrics", None)
+    return dict(get("sender")) if callable(get) else {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +459,7 @@ def _wrap_init(cls: type) -> None:
 
 
 def _wrap_sync_method(cls: type, name: str, naive_only: bool) -> None:
-    original = getattr(cls, name)
+    original = _require(cls, name, f"{cls.__module__}.{cls.__qualname__}")
     if getattr(original, _MARK, False):
         return
 
@@ -443,9 +506,9 @@ def _shim_module_globals(module: ModuleType) -> None:
 
 
 def _patch_engine_workers(module: ModuleType) -> None:
-    cls = module.ActorRolloutRefWorker
+    cls = _require(module, "ActorRolloutRefWorker", module.__name__)
+    _wrap_init(cls)  # first: a later failure is then reported when the worker starts
     _shim_module_globals(module)
-    _wrap_init(cls)
     _wrap_sync_method(cls, "update_weights", naive_only=True)
 
 
@@ -453,24 +516,156 @@ def _patch_legacy_workers(module: ModuleType) -> None:
     cls = getattr(module, "ActorRolloutRefWorker", None)
     if cls is None or not hasattr(cls, "rollout_mode"):  # 0.8.0+: no legacy colocated sync to wrap
         return
-    _shim_module_globals(module)
     _wrap_init(cls)
+    _shim_module_globals(module)
     _wrap_sync_method(cls, "rollout_mode", naive_only=False)
+    async_cls = getattr(module, "AsyncActorRolloutRefWorker", None)
+    if async_cls is not None and "update_weights" in vars(async_cls):
+        _wrap_legacy_update_weights(async_cls)
+
+
+def _wrap_legacy_update_weights(cls: type) -> None:
+    """0.7.1's legacy ``update_weights`` returns True after ``rollout_mode``: hand the metrics instead."""
+    original = cls.update_weights  # type: ignore[attr-defined]
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    async def update_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original(self, *args, **kwargs)
+        metrics = last_sync_metrics(self)
+        return metrics if result is True and metrics else result
+
+    setattr(update_weights, _MARK, True)
+    cls.update_weights = update_weights  # type: ignore[attr-defined]
 
 
 def _register_checkpoint_engine(module: ModuleType) -> None:
-    try:
-        from verl_fastsync.verl.engine import register_engine
-    except ImportError as exc:  # pragma: no cover - engine module optional while it is built
-        logger.debug("verl-fastsync checkpoint engine not available: %s", exc)
-        return
+    from verl_fastsync.verl.engine import register_engine
+
     register_engine()
 
 
 def _install_colocated(module: ModuleType) -> None:
+    """Substitute verl's bucketed sender/receiver. In a process with ``VERL_FASTSYNC_COLOCATED`` on
+    (a vLLM worker: the receiver) a failure fails the import itself: the sender is switched, so
+    running verl's receiver would pair two protocols."""
     try:
         from verl_fastsync.colocated import install_colocated
-    except ImportError as exc:  # pragma: no cover
-        logger.debug("verl-fastsync colocated transport not available: %s", exc)
+
+        _require(module, "BucketedWeightSender", module.__name__)
+        _require(module, "BucketedWeightReceiver", module.__name__)
+        install_colocated(module)
+    except Exception as exc:
+        if str(os.environ.get(ENV_COLOCATED, "")).strip().lower() not in _OFF:
+            raise PatchRequiredError(
+                f"{ENV_COLOCATED}={os.environ.get(ENV_COLOCATED)!r} switches the colocated transfer to "
+                f"fastsync, but {module.__name__} could not be patched ({type(exc).__name__}: {exc}); "
+                f"refusing to run verl's own receiver against fastsync's sender"
+            ) from exc
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# metrics: worker return values -> the driver's step metrics
+
+
+class _MetricsInbox:
+    """Driver side: the pending results of the workers' ``update_weights`` calls, merged into the
+    next ``Tracking.log``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[Any] = []
+
+    def add(self, refs: Any) -> None:
+        with self._lock:
+            self._pending.append(refs)
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        results: list[Any] = []
+        for refs in pending:
+            try:
+                results.extend(_resolve(refs))
+            except Exception as exc:  # a failed sync has already raised in verl's own ray.get
+                logger.debug("verl-fastsync: no metrics from a failed update_weights: %r", exc)
+        return merge_rank_metrics(results)
+
+
+def _resolve(refs: Any) -> list[Any]:
+    items = refs if isinstance(refs, list | tuple) else [refs]
+    if any(type(item).__name__ == "ObjectRef" for item in items):
+        import ray
+
+        return list(ray.get(list(items), timeout=60))
+    return list(items)
+
+
+def merge_rank_metrics(results: list[Any]) -> dict[str, float]:
+    """The mean over ranks of every ``fastsync/*`` number in the workers' results."""
+    sums: dict[str, list[float]] = {}
+    for result in results:
+        if not isinstance(result, Mapping):
+            continue
+        for key, value in result.items():
+            if isinstance(key, str) and key.startswith("fastsync/") and isinstance(value, int | float):
+                sums.setdefault(key, []).append(float(value))
+    return {key: sum(values) / len(values) for key, values in sorted(sums.items())}
+
+
+INBOX = _MetricsInbox()
+
+
+def _capture_worker_group(group: Any) -> None:
+    method = getattr(group, "update_weights", None)
+    if method is None or getattr(method, _MARK, False):
         return
-    install_colocated(module)
+
+    @functools.wraps(method)
+    def update_weights(*args: Any, **kwargs: Any) -> Any:
+        refs = method(*args, **kwargs)
+        INBOX.add(refs)
+        return refs
+
+    setattr(update_weights, _MARK, True)
+    try:
+        group.update_weights = update_weights
+    except Exception as exc:  # a group that refuses attributes: metrics stay in the workers' logs
+        logger.debug("verl-fastsync: cannot capture %r.update_weights: %r", group, exc)
+
+
+def _patch_checkpoint_manager(module: ModuleType) -> None:
+    cls = _require(module, "CheckpointEngineManager", module.__name__)
+    original = cls.__init__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        # 0.7.1/0.8.0 name the trainer's worker group `trainer`, 0.9.0+ `actor_wg`
+        group = getattr(self, "actor_wg", None) or getattr(self, "trainer", None)
+        if group is not None:
+            _capture_worker_group(group)
+
+    setattr(__init__, _MARK, True)
+    cls.__init__ = __init__
+
+
+def _patch_tracking(module: ModuleType) -> None:
+    cls = _require(module, "Tracking", module.__name__)
+    original = _require(cls, "log", f"{module.__name__}.Tracking")
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def log(self: Any, data: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
+        metrics = INBOX.take()
+        if metrics and isinstance(data, Mapping):
+            data = {**data, **{k: v for k, v in metrics.items() if k not in data}}
+        return original(self, data, step, *args, **kwargs)
+
+    setattr(log, _MARK, True)
+    cls.log = log

@@ -45,7 +45,7 @@ __all__ = [
     "sglang_update_weights",
 ]
 
-SGLANG_LOADER_FQN = "verl_fastsync.colocated_receivers.sglang_fastsync_loader"
+SGLANG_LOADER_FQN = "verl_fastsync.colocated.sglang.sglang_fastsync_loader"
 """``load_format`` of the ``update_weights_from_tensor`` request: SGLang imports and calls it."""
 
 MARKER_NAME = "__verl_fastsync_colocated_pull__"

@@ -1,0 +1,192 @@
+"""Constants, errors, control messages (msgspec, never pickle) and the per-process switch of the
+colocated path."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Union
+
+import msgspec
+
+from verl_fastsync.chunks import ChunkMeta
+
+SCHEMA_VERSION = 1
+"""Version of the control messages; a peer speaking another version is refused."""
+
+ENV_ENABLE = "VERL_FASTSYNC_COLOCATED"
+"""Per-process switch (see the module docstring for the values)."""
+
+ENV_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
+ENV_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
+"""``1``: the sender attaches an xxhash checksum to every chunk and the receiver checks it (the adapter
+sets it in the trainer process from ``custom.fastsync.verify``)."""
+"""Override of the default timeout (seconds) of every blocking wait."""
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Default timeout of one blocking wait (generous: a vLLM worker may be slow to start receiving)."""
+
+METRIC_PREFIX = "fastsync/colocated/"
+
+_OFF = frozenset({"", "0", "false", "off", "no"})
+_ON = frozenset({"1", "true", "on", "yes", "auto"})
+
+
+class ColocatedError(RuntimeError):
+    """A colocated weight sync failed."""
+
+
+class ColocatedTimeoutError(ColocatedError, TimeoutError):
+    """A blocking wait of a colocated sync ran past its timeout."""
+
+
+class ColocatedProtocolError(ColocatedError):
+    """The peer sent something this side cannot accept (version, order, content)."""
+
+
+class _PeerFailed(Exception):
+    """Internal: the peer reported a failure while we were sending; read it with ``recv()``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# control messages (msgspec, never pickle)
+# ---------------------------------------------------------------------------------------------
+
+
+class IpcHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """A CUDA-IPC export of one slot (the fields torch's ``rebuild_cuda_tensor`` needs)."""
+
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+class SlotDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """One slot of the persistent bucket, as the receiver needs it to map it."""
+
+    index: int
+    nbytes: int
+    token: str
+    """Unique per allocation: a receiver keeps its mapping while the token is unchanged."""
+    shm_name: str | None = None
+    ipc: IpcHandle | None = None
+
+
+class Ready(msgspec.Struct, tag="ready", kw_only=True):
+    """Receiver -> sender, resent until the hello arrives: "this routing id receives this sync"."""
+
+    schema_version: int
+    receiver_pid: int
+
+
+class Hello(msgspec.Struct, tag="hello", kw_only=True):
+    schema_version: int
+    sync_id: str
+    transport: str
+    slots: list[SlotDesc]
+    sender_pid: int
+    verify: bool = False
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack", kw_only=True):
+    schema_version: int
+    sync_id: str
+    error: str | None = None
+
+
+class BucketMsg(msgspec.Struct, tag="bucket", kw_only=True):
+    schema_version: int
+    sync_id: str
+    seq: int
+    slot: int
+    chunks: list[ChunkMeta]
+    is_last: bool
+
+
+class Ack(msgspec.Struct, tag="ack", kw_only=True):
+    schema_version: int
+    sync_id: str
+    seq: int
+    slot: int
+    error: str | None = None
+
+
+class Abort(msgspec.Struct, tag="abort", kw_only=True):
+    schema_version: int
+    sync_id: str
+    reason: str
+
+
+Message = Union[Ready, Hello, HelloAck, BucketMsg, Ack, Abort]  # noqa: UP007 (a runtime value for msgspec)
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+class _Versioned(msgspec.Struct):
+    """Any message, read only for its ``schema_version`` (other fields are ignored)."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
+
+# ---------------------------------------------------------------------------------------------
+# configuration helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def colocated_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether fastsync's colocated path is enabled for this process (:data:`ENV_ENABLE`)."""
+    return colocated_transport_name(False, environ) is not None
+
+
+def colocated_transport_name(use_shm: bool, environ: Any = None) -> str | None:
+    """The colocated transport to use, or ``None`` when disabled. ``use_shm`` is verl's choice."""
+    env = os.environ if environ is None else environ
+    raw = str(env.get(ENV_ENABLE, "")).strip().lower()
+    if raw in _OFF:
+        return None
+    if raw in _ON:
+        return "shm" if use_shm else "ipc"
+    if re.fullmatch(r"[a-z0-9_.-]+", raw):
+        return raw
+    raise ValueError(
+        f"{ENV_ENABLE}={env.get(ENV_ENABLE)!r} is not valid; allowed: unset/0/false/off (verl's own "
+        f"transfer), 1/true/on/auto (fastsync, shm or ipc as verl would pick), or a colocated transport "
+        f"name such as shm or ipc"
+    )
+
+
+def _default_timeout() -> float:
+    raw = os.environ.get(ENV_TIMEOUT)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive, finite number of seconds")
+    return value
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _ON
+
+
+def _check_timeout(timeout_s: float | None) -> float:
+    if timeout_s is None:
+        return _default_timeout()
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not (math.isfinite(timeout_s) and timeout_s > 0)
+    ):
+        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
