@@ -22,6 +22,7 @@ MIB = 1 << 20
 POLL_S = 0.0002
 """The polling interval of fastsync's nixl transport, used by the raw NIXL rows that poll."""
 _STATE: dict[Any, Any] = {}
+_AGENTS: list[str] = []  # every agent name this process used (each new agent gets a new name)
 
 
 def _payload(nbytes: int) -> Any:
@@ -235,13 +236,15 @@ def fs_finalize() -> None:
     _STATE["fs"].finalize()
 
 
-def nixl_agent(nbytes: int, sender: bool) -> dict[str, Any]:
+def nixl_agent(nbytes: int, sender: bool, progress_thread: bool) -> dict[str, Any]:
+    """An agent (UCX backend; NIXL's progress thread on or off) with the payload (sender) or the
+    target buffer registered; its name, metadata and buffer address for the peer."""
     import os
 
     from nixl._api import nixl_agent, nixl_agent_config
 
-    name = f"crosshost-{'a' if sender else 'b'}-{os.getpid()}"
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    _AGENTS.append(name := f"crosshost-{'a' if sender else 'b'}-{os.getpid()}-{len(_AGENTS)}")
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
     buf = _payload(nbytes) if sender else _buffer(nbytes)
     _STATE["nixl"] = agent
     _STATE["nixl_reg"] = agent.register_memory([buf])
