@@ -153,7 +153,13 @@ class _Worker:
             self.bucket = kwargs.get("bucket_size", self.bucket)
 
     def send(self, specs: list[TensorSpec], seed: int, extra: dict[str, Any]) -> dict[str, Any]:
-        model = list(iter_model(specs, seed))  # materialised before the baseline
+        """``extra["producer"]`` picks the weight generator: ``"list"`` (default: tensors made before
+        the memory baseline), ``"lazy"`` (each tensor made when asked for, after the baseline),
+        ``"staging"`` (one staging buffer per dtype refilled for every tensor, as a gathering
+        producer does) or ``"restore"`` (tensors overwritten in place after the last yield, as a
+        merged-LoRA producer restoring its weights does)."""
+        producer = extra.get("producer", "list")
+        model = list(iter_model(specs, seed)) if producer != "lazy" else []
         die_after = extra.get("die_after")
 
         def gen() -> Any:
@@ -162,7 +168,34 @@ class _Worker:
                     os._exit(17)
                 yield item
 
-        weights: Any = gen()
+        def lazy() -> Any:
+            for i, spec in enumerate(specs):
+                yield spec.name, build_tensor(spec, seed * 100003 + i)
+
+        def staging() -> Any:
+            import torch
+
+            buffers: dict[Any, Any] = {}
+            for name, tensor in model:
+                flat = tensor.contiguous().reshape(-1)
+                buf = buffers.get(tensor.dtype)
+                if buf is None or buf.numel() < flat.numel():
+                    buf = buffers[tensor.dtype] = torch.empty(max(1, 2 * flat.numel()), dtype=tensor.dtype)
+                view = buf[: flat.numel()]
+                view.copy_(flat)
+                yield name, view.view(tensor.shape)
+                view.zero_()  # refilled for the next tensor
+
+        def restore() -> Any:
+            import torch
+
+            originals = [(name, tensor.clone()) for name, tensor in model]
+            yield from originals
+            for _name, tensor in originals:  # restore in place after the last yield
+                if tensor.numel():
+                    tensor.view(-1)[:] = torch.zeros(1, dtype=tensor.dtype)
+
+        weights: Any = {"list": gen, "lazy": lazy, "staging": staging, "restore": restore}[producer]()
         if extra.get("async_gen"):
 
             async def agen() -> Any:
@@ -175,10 +208,9 @@ class _Worker:
         if self.mode == "engine":
             metrics = asyncio.run(self.engine.send_weights(weights))
         else:
-            from verl_fastsync.chunks import aplan_buckets
 
             async def run() -> Any:
-                return await self.engine.send(aplan_buckets(weights, self.bucket))
+                return await self.engine.send(weights)
 
             metrics = asyncio.run(run()).as_metrics()
         seconds = time.perf_counter() - t0
@@ -191,19 +223,36 @@ class _Worker:
         base = reset_peak_rss()
         digests: list[Any] = []
 
+        held: list[tuple[str, Any]] = []
+
         async def run() -> None:
             gen = self.engine.receive_weights() if self.mode == "engine" else self.engine.receive()
             async for name, tensor in gen:
                 if extra.get("die_after") is not None and len(digests) >= extra["die_after"]:
                     os._exit(17)
-                if extra.get("hash", True):
+                if extra.get("raise_after") is not None and len(digests) >= extra["raise_after"]:
+                    raise RuntimeError(f"consumer failed on purpose after {len(digests)} tensors")
+                if extra.get("hold"):
+                    held.append((name, tensor))  # batches everything, loads at the end (SGLang)
+                    digests.append((name,))
+                elif extra.get("hash", True):
                     digests.append(digest(name, tensor))
                 else:
                     digests.append((name,))
                 del tensor  # like a real consumer that copied it: keep nothing
 
+        async def cancelled() -> None:
+            task = asyncio.ensure_future(run())
+            while len(digests) < extra["cancel_after"] and not task.done():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            await task
+
         t0 = time.perf_counter()
-        asyncio.run(run())
+        asyncio.run(cancelled() if extra.get("cancel_after") is not None else run())
+        if extra.get("hold"):
+            digests = [digest(name, tensor) for name, tensor in held]
+            held.clear()
         seconds = time.perf_counter() - t0
         if self.mode == "engine":
             metrics = dict(self.engine.last_metrics)
@@ -230,25 +279,38 @@ class _Worker:
         self.new()
 
 
+def _exact_rss() -> None:
+    """Fix glibc's mmap threshold at 1 MiB: larger blocks are then always mapped on allocation and
+    unmapped on free, so RSS follows the live tensors (glibc's adaptive threshold otherwise keeps
+    freed multi-MiB blocks on its heap, and a producer's garbage would look like the sender's)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
 def _log_segments(path: str) -> None:
     """Record the name of every shared-memory segment this process creates or maps (leak checks
     must not depend on other processes using /dev/shm at the same time)."""
     from verl_fastsync.transports import shm
 
-    original = shm._Segment.__init__
+    original = shm.Segment.__init__
 
-    def init(self: Any, name: str, size: int, create: bool) -> None:
+    def init(self: Any, name: str, size: int, create: bool, populate: bool = True) -> None:
         with open(path, "a") as fh:
             fh.write(name + "\n")
-        original(self, name, size, create)
+        original(self, name, size, create, populate)
 
-    shm._Segment.__init__ = init  # type: ignore[method-assign]
+    shm.Segment.__init__ = init  # type: ignore[method-assign]
 
 
 def _worker_main(
     conn: Connection, mode: str, transport: str, ctor: dict[str, Any], role: str, segment_log: str = ""
 ) -> None:
     sys.path.insert(0, ROOT)
+    _exact_rss()
     if segment_log:
         _log_segments(segment_log)
     worker = _Worker(mode, transport, ctor, role)

@@ -546,10 +546,9 @@ def test_colocated_other_schema_version_rejected_naming_both(colo_handle: str, c
 NON_TENSOR_SEND = """
 import asyncio
 import torch
-from verl_fastsync.chunks import aplan_buckets
 async def go():
     weights = iter([("w", torch.ones(3)), ("x", {"not": "a tensor"})])
-    return await worker.engine.send(aplan_buckets(weights, 1024))
+    return await worker.engine.send(weights)
 asyncio.run(go())
 """
 

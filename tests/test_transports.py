@@ -149,13 +149,13 @@ def test_verify_detects_corruption_and_aborts_sender(transport: str) -> None:
 
 WRONG_VERSION = """
 import msgspec
-import verl_fastsync.transports.shm as shm
-orig = shm.encode
+import verl_fastsync.transports.controlled as controlled
+orig = controlled.encode
 def encode(message):
     raw = msgspec.to_builtins(message)
     raw["schema_version"] = 99
     return msgspec.msgpack.encode(raw)
-shm.encode = encode
+controlled.encode = encode
 """
 
 

@@ -1,8 +1,10 @@
 """Control-channel messages of the engine transports: typed, versioned msgspec structs (msgpack).
 
-Never pickle. Every message carries ``schema_version``; :func:`decode` checks it *before* decoding
-the rest, so a peer speaking another version gets a :class:`WireVersionError` naming both versions
-instead of a confusing field error.
+Never pickle. Every message carries ``schema_version``; :func:`check_version` reads it *before*
+decoding the rest, so a peer speaking another version gets a :class:`WireVersionError` naming both
+versions instead of a confusing field error. One rule for every message family (engine here, the
+colocated path through :class:`Codec`): a missing ``schema_version`` is version 0, and any version
+other than this side's is rejected.
 
 Messages (tagged union, tag field ``type``):
 
@@ -19,7 +21,7 @@ Messages (tagged union, tag field ``type``):
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -31,6 +33,7 @@ __all__ = [
     "Attached",
     "BucketAck",
     "BucketReady",
+    "Codec",
     "Hello",
     "Message",
     "PeerBuffers",
@@ -38,6 +41,7 @@ __all__ = [
     "Welcome",
     "WireError",
     "WireVersionError",
+    "check_version",
     "decode",
     "encode",
 ]
@@ -62,6 +66,9 @@ class Hello(_Base, tag="hello"):
     rank: int
     host: str
     pid: int
+    mapped: list[str] = msgspec.field(default_factory=list)
+    """Buffers of an earlier sync this receiver still has attached (e.g. shm segment names): the
+    sender reuses them when every receiver has them."""
 
 
 class PeerBuffers(_Base, tag="peer-buffers"):
@@ -118,32 +125,68 @@ Message = Union[Hello, PeerBuffers, Welcome, Attached, BucketReady, BucketAck, S
 
 
 class _Probe(msgspec.Struct):
-    schema_version: int = -1
+    schema_version: int | None = None
     type: str = ""
 
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
 _probe = msgspec.msgpack.Decoder(_Probe)
 
 
-def encode(message: Message) -> bytes:
-    """Serialize a control message (msgpack)."""
-    return _encoder.encode(message)
+def check_version(
+    data: bytes | memoryview, *, peer: str = "peer", expected: int = WIRE_SCHEMA_VERSION
+) -> str:
+    """The one schema-version rule of every control message (engine and colocated).
 
-
-def decode(data: bytes | memoryview, *, peer: str = "peer") -> Message:
-    """Decode a control message, rejecting another ``schema_version`` with :class:`WireVersionError`."""
+    The version is read before anything else is decoded. A message without ``schema_version`` is
+    treated as version 0 (it predates versioning) and, like any version other than ``expected``,
+    rejected with :class:`WireVersionError` naming both versions. Returns the message's ``type`` tag.
+    """
     try:
         probe = _probe.decode(data)
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable control message from {peer}: {exc}") from exc
-    if probe.schema_version != WIRE_SCHEMA_VERSION:
+    version = 0 if probe.schema_version is None else probe.schema_version
+    if version != expected:
+        missing = " (no schema_version: treated as 0)" if probe.schema_version is None else ""
         raise WireVersionError(
-            f"incompatible verl-fastsync wire schema: {peer} sent version {probe.schema_version}, "
-            f"this side speaks version {WIRE_SCHEMA_VERSION}; install the same verl-fastsync on both sides"
+            f"incompatible verl-fastsync wire schema: {peer} sent version {version}{missing}, "
+            f"this side speaks version {expected}; install the same verl-fastsync on both sides"
         )
-    try:
-        return _decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"malformed {probe.type or 'control'} message from {peer}: {exc}") from exc
+    return probe.type
+
+
+class Codec:
+    """Encoder/decoder of one tagged union of control messages, applying :func:`check_version`.
+
+    ``Codec(Union[A, B, ...])``: each struct is tagged (``tag_field="type"``) and has a
+    ``schema_version`` field defaulting to ``version``.
+    """
+
+    def __init__(self, union: Any, version: int = WIRE_SCHEMA_VERSION) -> None:
+        self.version = version
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(union)
+
+    def encode(self, message: Any) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes | memoryview, *, peer: str = "peer") -> Any:
+        kind = check_version(data, peer=peer, expected=self.version)
+        try:
+            return self._decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            raise WireError(f"malformed {kind or 'control'} message from {peer}: {exc}") from exc
+
+
+_codec = Codec(Message)
+
+
+def encode(message: Message) -> bytes:
+    """Serialize an engine control message (msgpack)."""
+    return _codec.encode(message)
+
+
+def decode(data: bytes | memoryview, *, peer: str = "peer") -> Message:
+    """Decode an engine control message (:func:`check_version` first)."""
+    message: Message = _codec.decode(data, peer=peer)
+    return message

@@ -170,7 +170,7 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print(
                 "verl-fastsync bench: --plot needs matplotlib, which is not installed; "
-                "`pip install matplotlib` (or verl-fastsync[plot]), or drop --plot",
+                "`pip install matplotlib`, or drop --plot",
                 file=sys.stderr,
             )
             return 2

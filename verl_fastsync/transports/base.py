@@ -13,7 +13,7 @@ Engine transports mirror verl's checkpoint-engine lifecycle, once per weight syn
     meta = [t.prepare() for t in all_ranks]                      # endpoints, no bucket memory yet
     actor_kw, rollout_kw = Cls.build_topology(n_actor, n_rollout, meta)
     t.init_process_group(**kw_of_this_rank)                      # connect, allocate 2 buckets
-    stats = await trainer_rank0.send(buckets)                   # buckets from chunks.aplan_buckets
+    stats = await trainer_rank0.send(named_tensors)             # (name, tensor), sync or async
     async for name, tensor in rollout_rank.receive(): ...       # in send order
     t.finalize()                                                 # free buffers, close sockets
 
@@ -22,18 +22,33 @@ Trainer rank 0 broadcasts to every rollout rank; other trainer ranks get ``rank=
 buffering (bucket ``k+1`` is packed while bucket ``k`` moves; two bucket buffers per side), the
 timeouts, the verify checksums, the abort path and the statistics once; a concrete transport only
 supplies the buffers and how a bucket moves.
+
+Byte ownership (sender): :meth:`BufferedTransport.send` plans with
+:class:`~verl_fastsync.chunks.BucketPlanner` straight into the transport's slot buffers: each
+tensor's bytes are in a bucket (or on a fenced device copy) before the producer is asked for the next
+tensor, and no reference to a produced tensor is kept. Every device that took part in the copies
+into a bucket is synchronized before the bucket is checksummed or posted.
+
+Receiver contract: by default (``TransportOptions.zero_copy=False``) every yielded tensor is its own
+memory and stays valid as long as the consumer holds it. With ``zero_copy=True`` a tensor carried
+whole in one chunk is a view into the receive bucket, valid only until the consumer asks for the
+next tensor.
+
+API change in 0.2.0: ``send`` takes the named tensors, not pre-planned buckets (a planner that hands
+buckets of views to a transport cannot own the bytes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import math
 import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -42,14 +57,18 @@ import msgspec
 import torch
 
 from verl_fastsync.chunks import (
+    AlignSpec,
+    Allocate,
     Assembler,
     Bucket,
+    BucketPlanner,
     ChunkMeta,
     bucket_chunk_views,
     chunk_checksum,
-    pack_bucket,
+    unpack_item,
     validate_bucket_size,
 )
+from verl_fastsync.io.fence import synchronize_device
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
 __all__ = [
@@ -112,9 +131,10 @@ class TransportOptions:
     """Per-chunk xxhash checksums, checked by the receiver."""
     device: str = "cpu"
     """Where received tensors are allocated (``"cpu"`` or e.g. ``"cuda:0"``)."""
-    zero_copy: bool = True
-    """Receiver yields views into the bucket for tensors carried whole in one chunk; they are valid
-    until the next item is requested from :meth:`EngineTransport.receive` (clone to keep)."""
+    zero_copy: bool = False
+    """``False`` (default): every yielded tensor is its own memory, valid as long as the consumer
+    holds it. ``True``: tensors carried whole in one chunk are views into the receive bucket, valid
+    only until the next item is requested from :meth:`EngineTransport.receive` (clone to keep)."""
     host: str | None = None
     """Address to bind network endpoints on (trainer rank 0); default: the transport's choice."""
 
@@ -186,8 +206,14 @@ class EngineTransport(ABC):
         """Connect to the peers and allocate the two bucket buffers."""
 
     @abstractmethod
-    async def send(self, buckets: Iterable[Bucket] | AsyncIterable[Bucket]) -> TransferStats:
-        """Move every bucket to every rollout rank (trainer rank 0)."""
+    async def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        *,
+        align: AlignSpec = None,
+    ) -> TransferStats:
+        """Move every tensor to every rollout rank (trainer rank 0). The bytes of each tensor must be
+        owned by the transport before the next one is requested (see the module docstring)."""
 
     @abstractmethod
     def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -346,9 +372,9 @@ class BufferedTransport(EngineTransport):
         self.bucket_size = validate_bucket_size(bucket_size)
         self.inflight = _InFlight(phase="init_process_group")
         if self.rank != SENDER_RANK:
-            # a receiver whose previous sync was never finalized (e.g. after an error) starts clean;
-            # the sender's endpoints were opened by this sync's prepare()
-            self._safe_close()
+            # a receiver whose previous sync was never finalized starts with a fresh channel; the
+            # sender's endpoints were opened by this sync's prepare()
+            self._safe_end_sync()
         try:
             self._connect(**kwargs)
         except BaseException:
@@ -357,11 +383,30 @@ class BufferedTransport(EngineTransport):
         self.inflight = _InFlight()
 
     def finalize(self) -> None:
-        self._safe_close()
+        """End of one sync (verl calls it after every sync): close what is per sync. Resources a
+        transport keeps for the next sync (see :meth:`_end_sync`) stay; a failed sync already freed
+        everything."""
+        self._safe_end_sync()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         self.rank = None
+
+    def release(self) -> None:
+        """Free everything now, including what a transport keeps between syncs (idempotent)."""
+        self.finalize()
+        self._safe_close()
+
+    def _end_sync(self) -> None:
+        """What ``finalize`` closes; default: everything (:meth:`_close`). A transport that keeps
+        buffers from sync to sync overrides this to close only its per-sync endpoints."""
+        self._close()
+
+    def _safe_end_sync(self) -> None:
+        try:
+            self._end_sync()
+        except Exception:  # pragma: no cover - cleanup is best effort
+            pass
 
     def _safe_close(self) -> None:
         try:
@@ -422,12 +467,14 @@ class BufferedTransport(EngineTransport):
 
     def _device_sync(self, buffer: torch.Tensor) -> None:
         """Make device copies into/out of ``buffer`` complete before it is handed over."""
-        if buffer.device.type != "cpu":
-            device_module = getattr(torch, buffer.device.type, None)
-            if device_module is not None and hasattr(device_module, "synchronize"):
-                device_module.synchronize(buffer.device)
+        synchronize_device(buffer.device)
 
-    async def send(self, buckets: Iterable[Bucket] | AsyncIterable[Bucket]) -> TransferStats:
+    async def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        *,
+        align: AlignSpec = None,
+    ) -> TransferStats:
         if self.rank is None or self.rank != SENDER_RANK:
             raise TransportError(
                 f"{self.name} transport: send() on rank {self.rank}; only trainer rank 0 sends "
@@ -439,42 +486,58 @@ class BufferedTransport(EngineTransport):
         sync_id = uuid.uuid4().hex
         tensors: set[int] = set()
         start = time.perf_counter()
+
+        def acquire(index: int) -> torch.Tensor:
+            slot = index % 2
+            self.inflight.phase = "wait-slot-free"
+            self.inflight.bucket = index
+            self._wait_slot_free(slot)
+            self.inflight.phase = "pack"
+            return self._sender_buffer(slot)
+
+        def ship(bucket: Bucket) -> None:
+            assert bucket.buffer is not None
+            buffer = bucket.buffer
+            metas: list[ChunkMeta] = bucket.metas
+            if self.options.verify:
+                metas = [
+                    msgspec.structs.replace(
+                        m,
+                        checksum=chunk_checksum(buffer[m.bucket_offset : m.bucket_offset + m.chunk_size]),
+                    )
+                    for m in metas
+                ]
+            self.inflight.phase = "post-bucket"
+            self.inflight.bucket = bucket.index
+            self._post_bucket(
+                bucket.index % 2,
+                BucketReady(
+                    sync_id=sync_id,
+                    bucket_index=bucket.index,
+                    slot=bucket.index % 2,
+                    nbytes=bucket.nbytes,
+                    chunks=metas,
+                ),
+            )
+            stats.buckets += 1
+            stats.chunks += len(metas)
+            stats.bytes += sum(m.chunk_size for m in metas)
+            tensors.update(m.tensor_index for m in metas)
+            if metas:
+                self.inflight.last_tensor = metas[-1].name
+            self.inflight.phase = "pack"
+
+        planner = BucketPlanner(self.bucket_size, align=align, acquire=acquire, on_full=ship)
+        self.inflight = _InFlight(phase="pack", bucket=0)
         try:
-            async for bucket in _aiter(buckets):
-                slot = bucket.index % 2
-                first = bucket.chunks[0][0].name if bucket.chunks else None
-                self.inflight = _InFlight(phase="wait-slot-free", bucket=bucket.index, tensor=first)
-                self._wait_slot_free(slot)
-                buffer = self._sender_buffer(slot)
-                self.inflight.phase = "pack"
-                pack_bucket(bucket, buffer)
-                self._device_sync(buffer)
-                metas: list[ChunkMeta] = bucket.metas
-                if self.options.verify:
-                    metas = [
-                        msgspec.structs.replace(
-                            m,
-                            checksum=chunk_checksum(buffer[m.bucket_offset : m.bucket_offset + m.chunk_size]),
-                        )
-                        for m in metas
-                    ]
-                self.inflight.phase = "post-bucket"
-                self._post_bucket(
-                    slot,
-                    BucketReady(
-                        sync_id=sync_id,
-                        bucket_index=bucket.index,
-                        slot=slot,
-                        nbytes=bucket.nbytes,
-                        chunks=metas,
-                    ),
-                )
-                stats.buckets += 1
-                stats.chunks += len(metas)
-                stats.bytes += sum(m.chunk_size for m in metas)
-                tensors.update(m.tensor_index for m in metas)
-                if metas:
-                    self.inflight.last_tensor = metas[-1].name
+            async for item in _aiter(named_tensors):
+                name, tensor = unpack_item(item)
+                del item
+                self.inflight.tensor = name if isinstance(name, str) else None
+                planner.add(name, tensor)
+                del tensor  # the bytes are ours now: keep nothing of the producer's
+                self.inflight.last_tensor, self.inflight.tensor = self.inflight.tensor, None
+            planner.finish()
             self.inflight = _InFlight(phase="drain", last_tensor=self.inflight.last_tensor)
             for slot in (0, 1):
                 self._wait_slot_free(slot)
@@ -515,6 +578,15 @@ class BufferedTransport(EngineTransport):
     def _receive_done(self) -> None:
         """Hook run after the end message (e.g. a final ack)."""
 
+    def _interrupt_receive(self) -> bool:
+        """Make a running :meth:`_recv_next` return promptly (it may raise); True when supported.
+        Called on the receive error path so that no handle is closed while the worker thread uses it."""
+        return False
+
+    def _destination_allocator(self) -> Allocate | None:
+        """Where received tensors are allocated (``None``: ``torch.empty``)."""
+        return None
+
     async def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.rank is None or self.rank < 1:
             raise TransportError(
@@ -525,7 +597,10 @@ class BufferedTransport(EngineTransport):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastsync-{self.name}")
         loop = asyncio.get_running_loop()
         assembler = Assembler(
-            self.options.device, zero_copy=self.options.zero_copy, verify=self.options.verify
+            self.options.device,
+            zero_copy=self.options.zero_copy,
+            verify=self.options.verify,
+            allocate=self._destination_allocator(),
         )
         stats = TransferStats(
             role="receiver", bucket_size=self.bucket_size, buffer_bytes=self._buffer_bytes()
@@ -533,13 +608,13 @@ class BufferedTransport(EngineTransport):
         self._stats = stats
         start = time.perf_counter()
         executor = self._executor
-        pending: asyncio.Future[BucketReady | SyncEnd] | None = None
+        pending: concurrent.futures.Future[BucketReady | SyncEnd] | None = None
         expected = 0
         try:
             self.inflight = _InFlight(phase="wait-bucket", bucket=0)
-            pending = loop.run_in_executor(executor, self._recv_next)
+            pending = executor.submit(self._recv_next)
             while True:
-                message = await pending
+                message = await asyncio.wrap_future(pending, loop=loop)
                 pending = None
                 if isinstance(message, SyncEnd):
                     self.inflight.phase = "end"
@@ -565,7 +640,7 @@ class BufferedTransport(EngineTransport):
                 expected += 1
                 if self.prefetch:
                     self.inflight.bucket = message.bucket_index + 1
-                    pending = loop.run_in_executor(executor, self._recv_next)
+                    pending = executor.submit(self._recv_next)
                 buffer = self._receiver_buffer(message.slot)
                 self._device_sync(buffer)
                 self.inflight.phase = "assemble"
@@ -593,7 +668,7 @@ class BufferedTransport(EngineTransport):
                 if pending is None:
                     self.inflight.phase = "wait-bucket"
                     self.inflight.bucket = expected
-                    pending = loop.run_in_executor(executor, self._recv_next)
+                    pending = executor.submit(self._recv_next)
                 else:
                     self.inflight.phase = "wait-bucket"
         except BaseException as exc:
@@ -601,9 +676,11 @@ class BufferedTransport(EngineTransport):
                 self._post_abort(Abort(reason=f"{type(exc).__name__}: {exc}", rank=self.rank))
             except Exception:  # pragma: no cover - best effort
                 pass
+            if pending is not None and not pending.cancel():
+                # _recv_next is running on the worker thread: stop it before its handles close
+                if self._interrupt_receive():
+                    concurrent.futures.wait([pending], timeout=self.options.timeout_s)
             self._safe_close()
-            if pending is not None:
-                pending.cancel()
             raise
         stats.tensors = assembler.num_tensors
         stats.seconds = time.perf_counter() - start
@@ -623,10 +700,14 @@ def allocate_bucket_buffers(
     return buffers
 
 
-async def _aiter(items: Iterable[Bucket] | AsyncIterable[Bucket]) -> AsyncIterator[Bucket]:
+async def _aiter(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncGenerator[Any, None]:
+    """One async iterator over a sync or async iterable that holds no reference to an item once the
+    consumer asks for the next one."""
     if isinstance(items, AsyncIterable):
         async for item in items:
             yield item
+            del item
     else:
         for item in items:
             yield item
+            del item

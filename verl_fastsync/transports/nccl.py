@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from verl_fastsync.transports.base import TransportError
-from verl_fastsync.transports.shm import TcpControlledTransport
+from verl_fastsync.transports.tcp import TcpControlledTransport
 from verl_fastsync.wire import BucketReady, SyncEnd, Welcome
 
 __all__ = ["NcclTransport"]

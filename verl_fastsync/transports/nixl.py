@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers
-from verl_fastsync.transports.shm import TcpControlledTransport
+from verl_fastsync.transports.tcp import TcpControlledTransport
 from verl_fastsync.wire import BucketReady, Message, PeerBuffers, Welcome
 
 __all__ = ["NixlTransport"]

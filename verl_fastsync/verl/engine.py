@@ -14,18 +14,28 @@ Select it with::
 * ``bucket_bytes``: overrides verl's ``update_weights_bucket_megabytes``: a positive int (bytes),
   a string with a unit (``"64MiB"``, ``"1GiB"``, ``"512KiB"``) or ``"auto"``. (It cannot be named
   ``bucket_size``: verl already passes ``bucket_size=`` to the constructor.)
-  ``auto`` = :data:`AUTO_FRACTION` of the smallest free memory among the participating ranks
-  (trainer rank 0 and every rollout rank; device memory for device transports, host
-  ``MemAvailable`` for CPU ones), rounded down to a MiB and clamped to
-  [:data:`AUTO_FLOOR`, :data:`AUTO_CAP`]; when a rank has too little free memory for the floor, the
-  topology step fails naming that rank.
+  ``auto`` sizes the bucket from the model and from free memory:
+
+  - model: ``model bytes / AUTO_DIVISOR`` (16), clamped to [:data:`AUTO_FLOOR`, :data:`AUTO_CAP`]
+    = [16 MiB, 512 MiB]. The model's size is what trainer rank 0 sent in the previous sync; before
+    the first sync it is unknown and :data:`AUTO_FIRST` (64 MiB) is used. A 160 MiB model gets
+    16 MiB buckets, a 2 GiB model 128 MiB, models from 8 GiB up 512 MiB.
+  - memory: at most :data:`AUTO_FRACTION` (5%) of the smallest free memory among the participating
+    ranks (trainer rank 0 and every rollout rank; device memory for device transports, host
+    ``MemAvailable`` for CPU ones), rounded down to a MiB. When that is below the floor, the
+    topology step fails naming the rank.
+
+  Each side holds two buckets for the engine's lifetime (shm keeps its segments between syncs).
 * ``timeout_s`` (default 600): limit of every blocking wait; on expiry the error names the peer,
   the phase, the bucket index and the tensor in flight.
 * ``verify`` (default false): xxhash checksum per chunk, checked by the receiver.
 * ``device``: where received tensors are allocated (default ``"cpu"``; the ``nccl`` transport always
   receives on the current accelerator).
-* ``zero_copy`` (default true): whole tensors are yielded as views into the receive bucket, valid
-  until the consumer asks for the next tensor (verl's server adapters copy each tensor at once).
+* ``zero_copy`` (default false): every received tensor is its own memory and stays valid as long as
+  the consumer holds it (verl's SGLang ``ServerAdapter`` batches tensors before loading them, vLLM
+  loads each at once: both are safe). ``true`` yields tensors carried whole in one chunk as views
+  into the receive bucket, valid only until the consumer asks for the next tensor; use it only with
+  a consumer that copies each tensor before asking for the next.
 * ``align_experts`` (default false): chunk boundaries of split tensors fall on dim-0 slices (MoE
   experts) when one slice fits a bucket.
 
@@ -43,7 +53,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from verl_fastsync.chunks import aplan_buckets, leading_slice_bytes, validate_bucket_size
+from verl_fastsync.chunks import leading_slice_bytes, validate_bucket_size
 from verl_fastsync.transports.base import (
     DEFAULT_TIMEOUT_S,
     EngineTransport,
@@ -54,6 +64,8 @@ from verl_fastsync.transports.base import (
 
 __all__ = [
     "AUTO_CAP",
+    "AUTO_DIVISOR",
+    "AUTO_FIRST",
     "AUTO_FLOOR",
     "AUTO_FRACTION",
     "ENGINE_NAME",
@@ -66,11 +78,15 @@ __all__ = [
 
 ENGINE_NAME = "fastsync"
 AUTO_FRACTION = 0.05
-"""``bucket_bytes=auto``: one bucket is this fraction of the smallest free memory (two per side)."""
+"""``bucket_bytes=auto``: one bucket is at most this fraction of the smallest free memory."""
 AUTO_FLOOR = 16 << 20
 """``auto`` never goes below 16 MiB; a rank with less than ``AUTO_FLOOR / AUTO_FRACTION`` free fails."""
-AUTO_CAP = 1 << 30
-"""``auto`` never goes above 1 GiB."""
+AUTO_CAP = 512 << 20
+"""``auto`` never goes above 512 MiB."""
+AUTO_DIVISOR = 16
+"""``auto``: one bucket is the model's bytes divided by this (clamped to [floor, cap])."""
+AUTO_FIRST = 64 << 20
+"""``auto`` before the first sync, when the model's size is not known yet."""
 
 _UNITS = {
     "": 1,
@@ -131,19 +147,26 @@ def free_memory_bytes(device: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def resolve_auto_bucket_size(free_bytes: list[tuple[str, int]]) -> int:
-    """The ``auto`` bucket size for ``[(rank label, free bytes), ...]`` (see module docstring)."""
+def resolve_auto_bucket_size(free_bytes: list[tuple[str, int]], model_bytes: int | None = None) -> int:
+    """The ``auto`` bucket size for ``[(rank label, free bytes), ...]`` and the model's size in
+    bytes (``None``: not known yet); see the module docstring."""
     if not free_bytes:
         raise ValueError("bucket_bytes=auto: no participating rank reported its free memory")
     label, smallest = min(free_bytes, key=lambda item: item[1])
-    size = int(smallest * AUTO_FRACTION) // (1 << 20) * (1 << 20)
-    if size < AUTO_FLOOR:
+    by_memory = int(smallest * AUTO_FRACTION) // (1 << 20) * (1 << 20)
+    if by_memory < AUTO_FLOOR:
         raise ValueError(
             f"bucket_bytes=auto: {label} has only {smallest / 2**20:.0f} MiB free; auto needs at least "
             f"{AUTO_FLOOR / AUTO_FRACTION / 2**20:.0f} MiB ({AUTO_FRACTION:.0%} of it per bucket, floor "
             f"{AUTO_FLOOR >> 20} MiB); set an explicit bucket_bytes"
         )
-    return min(size, AUTO_CAP)
+    if model_bytes is None or model_bytes <= 0:
+        by_model = AUTO_FIRST
+    else:
+        by_model = -(-model_bytes // AUTO_DIVISOR)
+        by_model = -(-by_model // (1 << 20)) * (1 << 20)  # whole MiB, rounded up
+    by_model = min(max(by_model, AUTO_FLOOR), AUTO_CAP)
+    return min(by_model, by_memory)
 
 
 def _select_factory(name: str) -> EngineTransportFactory:
@@ -184,7 +207,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         verify: bool = False,
         device: str = "cpu",
-        zero_copy: bool = True,
+        zero_copy: bool = False,
         align_experts: bool = False,
         **unknown: Any,
     ) -> None:
@@ -203,6 +226,9 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         else:
             explicit = parse_bucket_bytes(bucket_bytes)
         self.bucket_size: int | None = None if explicit is None else validate_bucket_size(explicit)
+        for key, flag in (("verify", verify), ("zero_copy", zero_copy), ("align_experts", align_experts)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"engine_kwargs.fastsync.{key} must be true or false, got {flag!r}")
         self.is_master = bool(is_master)
         self.transport_name = transport
         self.factory = _select_factory(transport)
@@ -216,6 +242,8 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         self.align_experts = bool(align_experts)
         self.transport: EngineTransport = self.factory(self.options)
         self.last_metrics: dict[str, float] = {}
+        self.model_bytes: int | None = None
+        """Bytes trainer rank 0 sent in the last sync (sizes ``bucket_bytes=auto``)."""
 
     # -- verl protocol -----------------------------------------------------------------------
 
@@ -226,6 +254,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             "is_master": self.is_master,
             "bucket_size": self.bucket_size,
             "free_bytes": free_memory_bytes(self._buffer_device()) if self.bucket_size is None else None,
+            "model_bytes": self.model_bytes,
             "transport_meta": self.transport.prepare(),
         }
 
@@ -257,8 +286,10 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             raise ValueError(f"fastsync: ranks disagree on the bucket size: {sorted(map(str, sizes))}")
         size = sizes.pop()
         if size is None:
+            model_bytes = metadata[0].get("model_bytes")
             size = resolve_auto_bucket_size(
-                [(label, int(m["free_bytes"])) for label, m in zip(labels, participants, strict=True)]
+                [(label, int(m["free_bytes"])) for label, m in zip(labels, participants, strict=True)],
+                int(model_bytes) if isinstance(model_bytes, int) else None,
             )
         factory = _select_factory(str(names.pop()))
         actor, rollout = factory.build_topology(
@@ -292,7 +323,8 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         if size is None:
             raise TransportError("fastsync: send_weights before init_process_group (bucket size unknown)")
         align = (lambda _name, tensor: leading_slice_bytes(tensor)) if self.align_experts else None
-        stats = await self.transport.send(aplan_buckets(weights, size, align=align))
+        stats = await self.transport.send(weights, align=align)
+        self.model_bytes = stats.bytes
         self.last_metrics = stats.as_metrics()
         return dict(self.last_metrics)
 

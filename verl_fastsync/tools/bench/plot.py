@@ -42,8 +42,7 @@ def write_plot(result: dict[str, Any], path: str) -> None:
         from matplotlib.patches import Patch
     except ImportError as exc:
         raise RuntimeError(
-            f"--plot needs matplotlib ({exc}); install it with `pip install verl-fastsync[plot]` "
-            "or `pip install matplotlib`"
+            f"--plot needs matplotlib ({exc}); install it with `pip install matplotlib`"
         ) from exc
     rows = result["transfer"]
     groups: list[tuple[str, int]] = []

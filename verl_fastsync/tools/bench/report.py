@@ -202,8 +202,16 @@ def _transfer(result: dict[str, Any], notes: Notes) -> list[str]:
             )
         out += ["", *_wrap(head)]
         body = []
+        # a path the host cannot run at any bucket size: one line below the table, not a row per bucket
+        missing: dict[str, str] = {}
         for r in rows:
-            if r is memcpy:
+            if r["status"].startswith("not available"):
+                missing.setdefault(r["row"], r["status"])
+        for label in list(missing):
+            if any(r["row"] == label and r["status"] != missing[label] for r in rows):
+                del missing[label]
+        for r in rows:
+            if r is memcpy or r["row"] in missing:
                 continue
             ok = r["status"] == "ok"
             body.append([
@@ -223,6 +231,14 @@ def _transfer(result: dict[str, Any], notes: Notes) -> list[str]:
             "status",
         ]
         out.append(table(headers, body, [True, False, False, True, True, True, False, True, False]))
+        if missing:
+            by_reason: dict[str, list[str]] = {}
+            for label, status in missing.items():
+                by_reason.setdefault(status, []).append(label)
+            for status, labels in by_reason.items():
+                out += _wrap(
+                    f"not available at any bucket size: {', '.join(labels)} {notes.status(status)[4:]}"
+                )
         buckets = sorted({r["bucket_bytes"] for r in rows if r["bucket_bytes"] is not None})
         versus = _versus(rows, buckets)
         if versus:
@@ -280,14 +296,18 @@ def _external(result: dict[str, Any], section: str, notes: Notes) -> list[str]:
 
 
 def _legend(result: dict[str, Any]) -> list[str]:
-    notes: dict[str, str] = {}
-    for section in ("transfer", "idle", "e2e", "crosshost"):
+    """What each row is (rows with the same description share a line)."""
+    by_note: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for section in ("transfer", "idle"):
         for r in result.get(section, []):
-            if r["note"] and r["row"] not in notes:
-                notes[r["row"]] = r["note"].split("; CPU seconds")[0]
+            note = r["note"].split("; CPU seconds")[0]
+            if note and r["row"] not in seen:
+                seen.add(r["row"])
+                by_note.setdefault(note, []).append(r["row"])
     out = ["", "What each row is:"]
-    for label, note in notes.items():
-        out += _wrap(f"  {label}: {note}", "      ")
+    for note, labels in by_note.items():
+        out += _wrap(f"  {', '.join(labels)}: {note}", "      ")
     return out
 
 

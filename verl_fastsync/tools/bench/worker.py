@@ -81,11 +81,9 @@ class FastsyncEngine(baselines._Path):
         self.setup_seconds = time.perf_counter() - t0
 
     def transfer(self, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
-        from verl_fastsync.chunks import aplan_buckets
-
         transport = self.transport
         if self.role == "sender":
-            stats = asyncio.run(transport.send(aplan_buckets(iter(tensors), self.trial["bucket_bytes"])))
+            stats = asyncio.run(transport.send(iter(tensors)))
         else:
             dest = dict(tensors)
 

@@ -1,0 +1,130 @@
+"""The one planner: layout rules (whole when it fits, split what does not, one chunked tensor at a
+time, expert boundaries) and byte ownership (copied at add, no reference to the producer's tensor)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from verl_fastsync.chunks import (
+    BUCKET_ALIGN,
+    Assembler,
+    Bucket,
+    BucketPlanner,
+    expert_alignment,
+    plan_buckets,
+)
+
+
+def _layout(buckets: list[Bucket]) -> list[list[tuple[str, int, int]]]:
+    return [[(m.name, m.chunk_offset, m.chunk_size) for m in b.metas] for b in buckets]
+
+
+def test_whole_tensor_that_fits_is_never_split() -> None:
+    named = [("a", torch.zeros(600, dtype=torch.uint8)), ("b", torch.zeros(600, dtype=torch.uint8))]
+    buckets = list(plan_buckets(named, 1024))
+    assert _layout(buckets) == [[("a", 0, 600)], [("b", 0, 600)]]
+
+
+def test_oversize_tensor_fills_room_then_buckets() -> None:
+    named = [("a", torch.zeros(16, dtype=torch.uint8)), ("big", torch.zeros(3000, dtype=torch.uint8))]
+    buckets = list(plan_buckets(named, 1024))
+    assert _layout(buckets) == [
+        [("a", 0, 16), ("big", 0, 1008)],
+        [("big", 1008, 1024)],
+        [("big", 2032, 968)],
+    ]
+
+
+def test_split_never_starts_beside_another_splits_tail() -> None:
+    """The receiver then assembles at most one chunked tensor at a time."""
+    named = [("x", torch.zeros(1500, dtype=torch.uint8)), ("y", torch.zeros(1500, dtype=torch.uint8))]
+    buckets = list(plan_buckets(named, 1024))
+    assert _layout(buckets) == [[("x", 0, 1024)], [("x", 1024, 476)], [("y", 0, 1024)], [("y", 1024, 476)]]
+    # a whole tensor may share the tail's bucket
+    named.insert(1, ("small", torch.zeros(32, dtype=torch.uint8)))
+    buckets = list(plan_buckets(named, 1024))
+    assert ("small", 0, 32) in _layout(buckets)[1]
+    asm = Assembler()
+    peak = 0
+    for bucket in plan_buckets(
+        [(f"t{i}", torch.full((1100 + 17 * i,), i, dtype=torch.uint8)) for i in range(6)], 1024
+    ):
+        for meta, data in bucket:
+            asm.feed(meta, data)
+            peak = max(peak, len(asm.incomplete))
+    assert peak == 1
+
+
+def test_expert_alignment_by_name() -> None:
+    experts = torch.zeros(8, 4, 8, dtype=torch.float32)  # 128 bytes per expert
+    assert expert_alignment("model.layers.0.mlp.experts.w13_weight", experts) == 128
+    assert expert_alignment("model.layers.0.mlp.experts.3.up_proj.weight", experts) is None
+    buckets = list(plan_buckets([("m.experts.w2", experts)], 300, align=expert_alignment))
+    assert all(m.chunk_size % 128 == 0 for b in buckets for m in b.metas)
+
+
+def test_bytes_are_copied_at_add_and_producer_may_reuse_its_buffer() -> None:
+    staging = torch.zeros(100, dtype=torch.float32)
+    planner = BucketPlanner(1024)
+    out: list[Bucket] = []
+    for i in range(10):
+        staging.fill_(100 + i)  # one staging buffer refilled per tensor
+        out += planner.add(f"w{i}", staging)
+    staging.fill_(-1)  # and restored in place after the last yield
+    out += planner.finish()
+    asm = Assembler()
+    got = {n: t for b in out for m, d in b for n, t in asm.feed(m, d)}
+    assert [got[f"w{i}"][0].item() for i in range(10)] == [100.0 + i for i in range(10)]
+
+
+def test_no_reference_to_the_producers_tensor_survives_add() -> None:
+    planner = BucketPlanner(256)
+    for size in (10, 1000):  # whole and split
+        t = torch.ones(size, dtype=torch.float32)
+        ref = weakref.ref(t)
+        planner.add(f"t{size}", t)
+        del t
+        gc.collect()
+        assert ref() is None, f"the planner kept a {size}-element tensor alive"
+    planner.finish()
+
+
+def test_acquire_and_on_full_drive_the_buffers() -> None:
+    slots = [torch.zeros(512, dtype=torch.uint8) for _ in range(2)]
+    acquired: list[int] = []
+    shipped: list[tuple[int, int]] = []
+
+    def acquire(index: int) -> torch.Tensor:
+        acquired.append(index)
+        return slots[index % 2]
+
+    def on_full(bucket: Bucket) -> None:
+        assert bucket.buffer is slots[bucket.index % 2]
+        shipped.append((bucket.index, bucket.nbytes))
+
+    planner = BucketPlanner(512, acquire=acquire, on_full=on_full)
+    assert planner.add("a", torch.ones(100, dtype=torch.float32)) == []  # 400 bytes
+    # bucket 0 is handed over before bucket 1 is acquired
+    assert planner.add("b", torch.ones(100, dtype=torch.float32)) == []
+    assert shipped == [(0, 400)] and acquired == [0, 1]
+    assert planner.finish() == []
+    assert shipped == [(0, 400), (1, 400)]
+    assert bytes(slots[1][:400].numpy()) == bytes(
+        torch.ones(100, dtype=torch.float32).view(torch.uint8).numpy()
+    )
+
+
+def test_acquire_must_return_a_big_enough_flat_byte_buffer() -> None:
+    planner = BucketPlanner(512, acquire=lambda i: torch.zeros(10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="at least 512 bytes"):
+        planner.add("a", torch.ones(4))
+
+
+def test_chunks_start_aligned() -> None:
+    named = [(f"t{i}", torch.ones(i + 1, dtype=torch.uint8)) for i in range(20)]
+    for bucket in plan_buckets(named, 128):
+        assert all(m.bucket_offset % BUCKET_ALIGN == 0 for m in bucket.metas)

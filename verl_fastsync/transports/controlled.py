@@ -1,0 +1,276 @@
+"""The zmq control protocol shared by the ``shm``, ``nixl`` and ``nccl`` engine transports.
+
+:class:`ControlledTransport` is a :class:`~verl_fastsync.transports.base.BufferedTransport` whose
+control messages (:mod:`verl_fastsync.wire`) travel over one
+:class:`~verl_fastsync.io.control.ControlChannel`: trainer rank 0 binds a ROUTER in :meth:`prepare`
+(``ipc://`` when :meth:`_control_host` is ``None``, else ``tcp://``), each rollout rank connects a
+DEALER in ``init_process_group``.
+
+* Handshake: every receiver sends :meth:`_hello_message` (``Hello``, or e.g. ``PeerBuffers``); once
+  all receivers said hello the sender answers each with ``Welcome`` (:meth:`_welcome_buffers`), the
+  receivers :meth:`_attach` and confirm ``Attached``; then :meth:`_all_attached` runs on the sender.
+* Per bucket: the sender waits for every receiver's ``BucketAck`` of the bucket last held in the
+  slot, packs, :meth:`_post_bucket` announces ``BucketReady``; receivers ack after their consumer
+  moved on. ``SyncEnd`` ends a sync, ``Abort`` (either way) fails it with the reason.
+
+Subclasses supply the buffers: :meth:`_sender_setup`, :meth:`_attach`, :meth:`_release_buffers`,
+:meth:`_sender_buffer`, :meth:`_receiver_buffer` (and may move data in :meth:`_post_bucket` /
+:meth:`_recv_next`). The control channel lives for one sync (closed at ``finalize``); buffers may
+live longer (:meth:`_end_sync` vs :meth:`_close`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, ClassVar
+
+import zmq
+
+from verl_fastsync.io.control import ControlChannel
+from verl_fastsync.transports.base import BufferedTransport, TransportError
+from verl_fastsync.wire import (
+    Abort,
+    Attached,
+    BucketAck,
+    BucketReady,
+    Hello,
+    Message,
+    SyncEnd,
+    Welcome,
+    decode,
+    encode,
+)
+
+__all__ = ["ControlledTransport"]
+
+
+class ControlledTransport(BufferedTransport):
+    """Double-bucket transport with a zmq control channel (see the module docstring)."""
+
+    name: ClassVar[str] = "?"
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._channel: ControlChannel | None = None
+        self._endpoint: str | None = None
+        self._peers: dict[bytes, int] = {}  # zmq routing id -> rollout rank
+        self._slot_bucket: list[int | None] = [None, None]
+        self._slot_acks: list[set[int]] = [set(), set()]
+
+    # -- what subclasses choose --------------------------------------------------------------
+
+    def _control_host(self) -> str | None:
+        """Address the sender binds its control socket on; ``None``: a private ``ipc://`` socket."""
+        return None
+
+    def _sender_setup(self) -> None:
+        """Sender, in ``init_process_group`` before the handshake: make the bucket buffers."""
+
+    def _welcome_buffers(self) -> list[str]:
+        """Sender: transport-specific handles of its buffers, sent in ``Welcome``."""
+        return []
+
+    def _on_hello(self, ident: bytes, message: Message) -> bool:
+        """Sender: record a receiver's introduction; False if ``message`` is not one."""
+        if isinstance(message, Hello):
+            self._peers[ident] = message.rank
+            return True
+        return False
+
+    def _all_attached(self) -> None:
+        """Sender: every receiver confirmed ``Attached``."""
+        if self._channel is not None:
+            self._channel.remove_socket_file()
+
+    def _hello_message(self) -> Message:
+        """Receiver: its introduction."""
+        return Hello(rank=self.rank or 0, host=socket.gethostname(), pid=os.getpid())
+
+    def _attach(self, welcome: Welcome) -> None:
+        """Receiver: map/register the sender's buffers named in ``welcome``."""
+
+    def _release_buffers(self) -> None:
+        """Free this side's buffers (idempotent)."""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"transport": self.name, "host": socket.gethostname()}
+        if self.options.is_master:
+            self._close_channel()
+            self._channel = ControlChannel()
+            self._endpoint = self._channel.bind(self._control_host())
+            meta["endpoint"] = self._endpoint
+        return meta
+
+    def _connect(self, **kwargs: Any) -> None:
+        endpoint = kwargs.get("endpoint")
+        if self.rank == 0:
+            if self._channel is None:
+                raise TransportError(
+                    f"{self.name} transport: init_process_group on trainer rank 0 before prepare()"
+                )
+            self._sender_setup()
+            self._handshake_sender()
+        else:
+            if not endpoint:
+                raise TransportError(f"{self.name} transport: init_process_group needs the sender's endpoint")
+            self._close_channel()
+            self._channel = ControlChannel()
+            self._channel.connect(endpoint)
+            self._endpoint = endpoint
+            self._handshake_receiver()
+
+    def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+        self._peers = {}
+        self._slot_bucket = [None, None]
+        self._slot_acks = [set(), set()]
+
+    def _close(self) -> None:
+        self._release_buffers()
+        self._close_channel()
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.options.timeout_s
+
+    def _recv_msg(self, deadline: float, peer: str, detail: str = "") -> tuple[bytes | None, Message]:
+        if self._channel is None:
+            raise TransportError(f"{self.name} transport: control channel closed; {self.inflight.describe()}")
+        got = self._channel.recv(deadline)
+        if got is None:
+            raise self._timeout_error(peer, detail)
+        ident, data = got
+        message = decode(data, peer=peer)
+        if isinstance(message, Abort):
+            who = peer if message.rank is None else f"rank {message.rank}"
+            raise self._abort_error(who, message.reason)
+        return ident, message
+
+    def _send_to(self, ident: bytes | None, message: Message) -> None:
+        if self._channel is None:
+            raise TransportError(f"{self.name} transport: control channel closed; {self.inflight.describe()}")
+        try:
+            self._channel.send(encode(message), ident)
+        except zmq.ZMQError as exc:
+            who = "trainer rank 0" if ident is None else f"rollout rank {self._peers.get(ident, '?')}"
+            raise TransportError(
+                f"{self.name} transport, {self.role} rank {self.rank}: cannot send "
+                f"{type(message).__name__} to {who}: {exc} (the peer closed its connection: timed out "
+                f"or died); {self.inflight.describe()}"
+            ) from exc
+
+    def _handshake_sender(self) -> None:
+        deadline = self._deadline()
+        self.inflight.phase = "handshake"
+        pending: list[bytes] = []
+        while len(self._peers) < self.receivers:
+            ident, message = self._recv_msg(
+                deadline, "rollout ranks", f"hello from {self.receivers} receivers"
+            )
+            if self._on_hello(ident or b"", message):
+                pending.append(ident or b"")
+        self._before_welcome()
+        welcome = Welcome(
+            bucket_size=self.bucket_size, buffers=self._welcome_buffers(), verify=self.options.verify
+        )
+        for ident in pending:
+            self._send_to(ident, welcome)
+        attached: set[int] = set()
+        while len(attached) < self.receivers:
+            _, message = self._recv_msg(deadline, "rollout ranks", f"attach from {self.receivers} receivers")
+            if isinstance(message, Attached):
+                attached.add(message.rank)
+        self._all_attached()
+
+    def _before_welcome(self) -> None:
+        """Sender: every receiver said hello (hook, e.g. to decide whether buffers can be reused)."""
+
+    def _handshake_receiver(self) -> None:
+        deadline = self._deadline()
+        self.inflight.phase = "handshake"
+        peer = f"trainer rank 0 at {self._endpoint}"
+        self._send_to(None, self._hello_message())
+        _, message = self._recv_msg(deadline, peer, "welcome")
+        if not isinstance(message, Welcome):
+            raise TransportError(
+                f"{self.name} transport: expected welcome from {peer}, got {type(message).__name__}"
+            )
+        if message.bucket_size != self.bucket_size:
+            raise TransportError(
+                f"{self.name} transport: sender bucket_size {message.bucket_size} "
+                f"!= receiver {self.bucket_size}"
+            )
+        if message.verify != self.options.verify:
+            raise TransportError(
+                f"{self.name} transport: verify differs between sender ({message.verify}) and rollout rank "
+                f"{self.rank} ({self.options.verify}); set engine_kwargs.fastsync.verify the same everywhere"
+            )
+        self._attach(message)
+        self._send_to(None, Attached(rank=self.rank or 0))
+
+    # -- sender ------------------------------------------------------------------------------
+
+    def _wait_slot_free(self, slot: int) -> None:
+        bucket = self._slot_bucket[slot]
+        if bucket is None:
+            return
+        deadline = self._deadline()
+        while len(self._slot_acks[slot]) < self.receivers:
+            missing = sorted(set(self._peers.values()) - self._slot_acks[slot])
+            _, message = self._recv_msg(deadline, f"rollout rank(s) {missing}", f"ack of bucket {bucket}")
+            if isinstance(message, BucketAck) and message.slot in (0, 1):
+                if self._slot_bucket[message.slot] == message.bucket_index:
+                    self._slot_acks[message.slot].add(message.rank)
+        self._slot_bucket[slot] = None
+
+    def _post_bucket(self, slot: int, message: BucketReady) -> None:
+        self._slot_bucket[slot] = message.bucket_index
+        self._slot_acks[slot] = set()
+        for ident in self._peers:
+            self._send_to(ident, message)
+
+    def _post_end(self, message: SyncEnd) -> None:
+        for ident in self._peers:
+            self._send_to(ident, message)
+
+    def _post_abort(self, message: Abort) -> None:
+        channel = self._channel
+        if channel is None or not channel.is_open:
+            return
+        data = encode(message)
+        if self.rank == 0:
+            for ident in self._peers:
+                channel.send_quietly(data, ident)
+        else:
+            channel.send_quietly(data)
+
+    # -- receiver ----------------------------------------------------------------------------
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in (0, 1):
+            raise TransportError(f"{self.name} transport: sender named slot {slot}; only 0 and 1 exist")
+
+    def _interrupt_receive(self) -> bool:
+        channel = self._channel
+        if channel is None:
+            return False
+        channel.interrupt()
+        return True
+
+    def _recv_next(self) -> BucketReady | SyncEnd:
+        deadline = self._deadline()
+        peer = f"trainer rank 0 at {self._endpoint}"
+        while True:
+            _, message = self._recv_msg(deadline, peer, f"bucket {self.inflight.bucket}")
+            if isinstance(message, BucketReady | SyncEnd):
+                return message
+
+    def _release_slot(self, slot: int, bucket_index: int) -> None:
+        self._send_to(None, BucketAck(rank=self.rank or 0, bucket_index=bucket_index, slot=slot))
