@@ -179,8 +179,9 @@ def _fastsync(run: _Run, transport: str) -> tuple[list[float], str]:
     seconds = _timed({"starts": starts, "digest": digests[0]}, {"ends": ends, "digest": digests[1]})
     setup = statistics.median(setups[1:])
     return seconds, (
-        f"{run.opts.bucket_mib} MiB buckets; two memory passes the raw rows do not make (sender packs "
-        f"into a bucket, receiver's consumer copies out); setup per sync {setup:.2f} s (not timed)"
+        f"{run.opts.bucket_mib} MiB buckets, default options; memory passes the raw rows do not make: "
+        "the sender packs into a bucket, the receiver hands out tensors of their own and the consumer "
+        f"copies them into its destination; setup per sync {setup:.2f} s (not timed)"
     )
 
 

@@ -201,16 +201,12 @@ def fs_init(kwargs: dict[str, Any]) -> None:
 def fs_send(nbytes: int, bucket: int) -> dict[str, Any]:
     import torch
 
-    from verl_fastsync.chunks import aplan_buckets
-
-    data = _STATE.get(("payload", nbytes))
-    if data is None:
-        data = _payload(nbytes)
+    data = _payload(nbytes)
     tensors = [
         (name, data[off : off + size].view(torch.bfloat16)) for name, off, size in _model(nbytes, bucket)
     ]
     start = time.monotonic()
-    asyncio.run(_STATE["fs"].send(aplan_buckets(iter(tensors), bucket)))
+    asyncio.run(_STATE["fs"].send(iter(tensors)))  # the bucket size came with init_process_group
     return {"start": start, "digest": _digest([t for _, t in tensors])}
 
 
