@@ -211,3 +211,103 @@ def receiver_main(
         conn.send(("error", repr(exc)))
     finally:
         conn.close()
+
+
+# ------------------------------------------------------------------ adversarial producers
+
+
+class LazyModel:
+    """Tensors made on demand (each one's bytes in a fresh numpy buffer), with a count of how many
+    produced buffers are still alive anywhere: the sender's retention made visible.
+
+    ``sizes``: element counts (float32). Tensor ``i`` holds ``i + 1`` everywhere. ``live_before``
+    records, each time the producer is asked for tensor ``i > 0``, how many earlier buffers are alive;
+    ``peak_live_bytes`` is the most produced bytes alive at once.
+    """
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.live = 0
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.live_before: list[int] = []
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= 1
+        self.live_bytes -= nbytes
+
+    def make(self, i: int) -> torch.Tensor:
+        import weakref
+
+        import numpy as np
+
+        buf = np.full(self.sizes[i], float(i + 1), dtype=np.float32)
+        self.live += 1
+        self.live_bytes += buf.nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        weakref.finalize(buf, self._freed, buf.nbytes)
+        return torch.from_numpy(buf)
+
+    def __iter__(self) -> Any:
+        for i in range(len(self.sizes)):
+            if i:
+                self.live_before.append(self.live)
+            yield f"layer.{i}.weight", self.make(i)
+
+    def expected(self) -> list[tuple[str, tuple[int, ...], str, str]]:
+        return [
+            (f"layer.{i}.weight", (n,), "torch.float32", digest(torch.full((n,), float(i + 1))))
+            for i, n in enumerate(self.sizes)
+        ]
+
+
+def vm_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def rss_sender_main(conn: Any, zmq_handle: str, sizes: list[int], bucket_mb: float, syncs: int) -> None:
+    """Send a lazily produced model ``syncs`` times; report, per sync, (RSS baseline taken before the
+    producer starts, peak RSS during the sync, live earlier tensors at each producer request). The
+    first sync is cold (it allocates the slots); imports a first sync would do are done before."""
+    try:
+        import asyncio
+
+        import zmq  # noqa: F401  (imported by the first sync otherwise: not the sender's memory)
+
+        from verl_fastsync.colocated import ColocatedSender
+        from verl_fastsync.plugins import plugin_manager
+
+        plugin_manager()
+        figures = []
+        for _ in range(syncs):
+            sender = ColocatedSender(zmq_handle, bucket_size_mb=bucket_mb, use_shm=True, timeout_s=120)
+            model = LazyModel(sizes)
+            baseline = vm_kib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")  # reset the peak (VmHWM) to the current RSS
+            asyncio.run(sender.async_send_weights(iter(model)))
+            figures.append((baseline << 10, vm_kib("VmHWM") << 10, model.live_before))
+        conn.send(("ok", figures))
+    except BaseException as exc:
+        conn.send(("error", repr(exc)))
+    finally:
+        conn.close()
+
+
+def one_sync_receiver_main(conn: Any, zmq_handle: str) -> None:
+    """A receiver process that takes one sync and exits (a restarted vLLM worker's first sync)."""
+    try:
+        from verl_fastsync.colocated import ColocatedReceiver
+
+        received: list[Any] = []
+        receiver = ColocatedReceiver(zmq_handle, torch.device("cpu"), timeout_s=120)
+        receiver.receive_weights(lambda weights, is_last: received.extend(describe(weights)))
+        conn.send(("ok", received))
+    except BaseException as exc:
+        conn.send(("error", repr(exc)))
+    finally:
+        conn.close()

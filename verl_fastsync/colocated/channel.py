@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -63,6 +64,7 @@ class _Channel:
         self.peer_id: bytes | None = None  # sender: the routing id of this sync's receiver
         self.peer_locked = False  # sender: set once that receiver acknowledged the hello
         self.early: list[Message] = []  # messages read while waiting to send
+        self.owner = threading.get_ident()
         ctx: Any = zmq.Context.instance()
         self.socket: Any = ctx.socket(zmq.ROUTER if bind else zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
@@ -225,6 +227,13 @@ class _Channel:
         return msg
 
     def close(self) -> None:
+        """Close the socket; only the thread that opened the channel may (zmq sockets are not
+        thread-safe): a call from another thread raises instead of closing it under its feet."""
+        if threading.get_ident() != self.owner:
+            raise RuntimeError(
+                f"verl-fastsync {self.role}: the control channel of {self.zmq_handle} belongs to another "
+                f"thread; it closes itself when that thread's sync ends"
+            )
         # no disconnect() first: it would drop the last ack still queued. A closing receiver that
         # reconnects to the next sync's sender is ignored there (another routing id).
         # let a last ack or abort leave before the socket goes (close does not block on it)

@@ -11,7 +11,13 @@ from typing import Any, Protocol
 
 import torch
 
-from verl_fastsync.colocated.protocol import ENV_ENABLE, ColocatedProtocolError, IpcHandle, SlotDesc
+from verl_fastsync.colocated.protocol import (
+    ENV_ENABLE,
+    ColocatedError,
+    ColocatedProtocolError,
+    IpcHandle,
+    SlotDesc,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +77,14 @@ class SlotMemory(Protocol):
     def detach(self, desc: SlotDesc) -> None:
         """Receiver: drop the mapping (the caller has dropped every view into it)."""
         ...
+
+
+def seal_slot(memory: SlotMemory, desc: SlotDesc) -> bool:
+    """Sender, once the receiver mapped ``desc``: drop what lets another process attach it (the shm
+    name). True when the slot can no longer be attached (a new receiver then needs new slots);
+    optional for third-party slot memory (``seal(desc) -> bool``)."""
+    seal = getattr(memory, "seal", None)
+    return bool(seal(desc)) if callable(seal) else False
 
 
 def _shm_funcs() -> tuple[Callable[..., int], Callable[[str], None]]:
@@ -133,6 +147,16 @@ class ShmSlotMemory:
                     _shm_funcs()[1](desc.shm_name)
                 except FileNotFoundError:
                     pass
+
+    def seal(self, desc: SlotDesc) -> bool:
+        """Unlink the segment's name (both mappings stay valid): nothing is left in /dev/shm for a
+        sender killed later, and no other process can attach the slot."""
+        if desc.shm_name is not None:
+            try:
+                _shm_funcs()[1](desc.shm_name)
+            except FileNotFoundError:
+                pass
+        return True
 
     def attach(self, desc: SlotDesc, device: torch.device) -> torch.Tensor:
         if desc.shm_name is None:
@@ -216,18 +240,32 @@ class IpcSlotMemory:
     def _module(self, device_type: str) -> Any:
         return self._device_module if self._device_module is not None else _device_module(device_type)
 
+    def device(self) -> torch.device:
+        """The device slots are allocated on; a clear error where there is none with IPC."""
+        if self._device is not None:
+            return self._device
+        try:
+            from verl.utils.device import get_device_id, get_device_name
+
+            device = torch.device(f"{get_device_name()}:{get_device_id()}")
+        except Exception:
+            device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if device.type == "cpu" or (device.type == "cuda" and not torch.cuda.is_available()):
+            raise ColocatedError(ipc_unavailable_message(device))
+        return device
+
+    def seal(self, desc: SlotDesc) -> bool:
+        """Nothing to drop: a CUDA-IPC handle can be opened by a restarted receiver too."""
+        return False
+
     def allocate(self, index: int, nbytes: int) -> tuple[torch.Tensor, SlotDesc]:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        device = self._device
-        if device is None:
-            try:
-                from verl.utils.device import get_device_id, get_device_name
-
-                device = torch.device(f"{get_device_name()}:{get_device_id()}")
-            except Exception:
-                device = torch.device("cuda", torch.cuda.current_device())
+        device = self.device()
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # the allocation (and whatever last used this memory) must be done before another process
+        # maps it: a handle exported while that work is queued races with it
+        self._module(device.type).synchronize()
         _, args = reduce_tensor(tensor)
         # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size_bytes,
         #  storage_offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
@@ -291,6 +329,15 @@ class IpcSlotMemory:
             module = self._module(device_type)
             if hasattr(module, "ipc_collect"):
                 module.ipc_collect()
+
+
+def ipc_unavailable_message(device: Any) -> str:
+    return (
+        f"colocated transport 'ipc' needs an accelerator with CUDA IPC, but this process has none "
+        f"(device {device}, torch.cuda.is_available()={torch.cuda.is_available()}); use the colocated "
+        f"transport 'shm' (+actor_rollout_ref.rollout.custom.fastsync.colocated_transport=shm and "
+        f"{ENV_ENABLE}=shm)"
+    )
 
 
 def make_shm_memory(**kwargs: Any) -> ShmSlotMemory:

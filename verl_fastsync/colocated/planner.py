@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -45,39 +46,58 @@ def expert_alignment(name: str, tensor: torch.Tensor) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one chunk of a tensor goes: bucket ``bucket`` at ``meta.bucket_offset``.
+
+    ``data`` is a flat ``uint8`` view of the producer's tensor; the sender copies it into the slot at
+    once and drops it. ``closes`` is true when the bucket is full after this chunk.
+    """
+
+    bucket: int
+    meta: ChunkMeta
+    data: torch.Tensor
+    closes: bool
+
+
 class WholeTensorPlanner:
-    """Bucket planner of the colocated path: a tensor that fits in a bucket is never split (it
-    starts a new bucket when the current one has no room for it), so the receiver hands it over as
-    a view into the slot with no merge copy; only a tensor larger than a bucket is chunked, on
-    expert boundaries for stacked MoE tensors (:func:`expert_alignment`). Its first chunk fills the
-    room left in the current bucket. Emits :class:`~verl_fastsync.chunks.Bucket` objects of
-    :class:`~verl_fastsync.chunks.ChunkMeta` like the chunk core's planner.
+    """Bucket planner of the colocated path.
+
+    * A tensor that fits in a bucket is never split: it starts a new bucket when the current one has
+      no room for it, so the receiver hands it over with no merge copy.
+    * A tensor larger than a bucket is chunked, on expert boundaries for stacked MoE tensors
+      (:func:`expert_alignment`). Its first chunk fills the room left in the current bucket, unless
+      that bucket holds the last chunk of the previous chunked tensor: then it starts a new bucket,
+      so the receiver never assembles two chunked tensors at a time (its merge peak is the largest
+      chunked tensor, not two).
+
+    :meth:`place` returns the placements of one tensor and keeps no reference to it; the sender
+    copies each placement's bytes before it asks the producer for the next tensor. :meth:`add` and
+    :meth:`finish` give the same plan as :class:`~verl_fastsync.chunks.Bucket` objects (planning only:
+    those hold views of the tensors).
     """
 
     def __init__(self, bucket_size: int) -> None:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive int (bytes), got {bucket_size!r}")
         self.bucket_size = bucket_size
-        self._bucket = Bucket(index=0)
+        self.bucket = 0
+        """Index of the bucket being filled."""
         self._offset = 0
+        self._chunked_tail = False  # the open bucket holds the last chunk of a chunked tensor
         self._names: set[str] = set()
+        self._open: Bucket | None = None  # add()/finish() only
         self.num_tensors = 0
         self.total_bytes = 0
 
-    def _close(self, out: list[Bucket]) -> None:
-        if self._bucket.chunks:
-            out.append(self._bucket)
-            self._bucket = Bucket(index=self._bucket.index + 1)
+    def _next_bucket(self) -> None:
+        if self._offset > 0:
+            self.bucket += 1
         self._offset = 0
+        self._chunked_tail = False
 
-    def _place(self, meta_fields: dict[str, Any], data: torch.Tensor, start: int, n: int, at: int) -> None:
-        meta = ChunkMeta(chunk_offset=start, chunk_size=n, bucket_offset=at, **meta_fields)
-        self._bucket.chunks.append((meta, data[start : start + n]))
-        self._offset = at + n
-        self._bucket.nbytes = self._offset
-
-    def add(self, name: str, tensor: torch.Tensor) -> list[Bucket]:
-        """Plan one tensor; return the buckets it completed."""
+    def place(self, name: str, tensor: torch.Tensor) -> list[Placement]:
+        """Plan one tensor; the placements of its bytes, in order."""
         if name in self._names:
             raise DuplicateTensorError(f"tensor {name!r} appears twice in one weight sync")
         self._names.add(name)
@@ -93,32 +113,58 @@ class WholeTensorPlanner:
         self.num_tensors += 1
         self.total_bytes += total
         size = self.bucket_size
-        out: list[Bucket] = []
-        at = -(-self._offset // BUCKET_ALIGN) * BUCKET_ALIGN
+        out: list[Placement] = []
+
+        def put(start: int, n: int, at: int) -> None:
+            meta = ChunkMeta(chunk_offset=start, chunk_size=n, bucket_offset=at, **fields)
+            self._offset = at + n
+            closes = self._offset >= size
+            out.append(Placement(self.bucket, meta, data[start : start + n], closes))
+            if closes:
+                self._next_bucket()
+
         if total <= size:
+            at = -(-self._offset // BUCKET_ALIGN) * BUCKET_ALIGN
             if at + total > size:
-                self._close(out)
+                self._next_bucket()
                 at = 0
-            self._place(fields, data, 0, total, at)
+            put(0, total, at)
             return out
         unit = expert_alignment(name, tensor) or 1
         if unit > size:
             unit = 1  # one expert does not fit in a bucket: plain byte chunks
+        if self._chunked_tail:
+            self._next_bucket()
         done = 0
         while done < total:
             at = -(-self._offset // BUCKET_ALIGN) * BUCKET_ALIGN
             n = min(total - done, ((size - at) // unit) * unit if at < size else 0)
             if n <= 0:
-                self._close(out)
+                self._next_bucket()
                 continue
-            self._place(fields, data, done, n, at)
+            put(done, n, at)
             done += n
-            if self._offset >= size:
-                self._close(out)
+        self._chunked_tail = self._offset > 0
+        return out
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[Bucket]:
+        """Plan one tensor; return the buckets it completed (planning only: they hold views)."""
+        out: list[Bucket] = []
+        for p in self.place(name, tensor):
+            if self._open is not None and self._open.index != p.bucket:
+                out.append(self._open)
+                self._open = None
+            if self._open is None:
+                self._open = Bucket(index=p.bucket)
+            self._open.chunks.append((p.meta, p.data))
+            self._open.nbytes = p.meta.bucket_offset + p.meta.chunk_size
+            if p.closes:
+                out.append(self._open)
+                self._open = None
         return out
 
     def finish(self) -> list[Bucket]:
         """The last partial bucket, if any."""
-        out: list[Bucket] = []
-        self._close(out)
+        out = [self._open] if self._open is not None and self._open.chunks else []
+        self._open = None
         return out

@@ -12,7 +12,7 @@ import msgspec
 
 from verl_fastsync.chunks import ChunkMeta
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the control messages; a peer speaking another version is refused."""
 
 ENV_ENABLE = "VERL_FASTSYNC_COLOCATED"
@@ -83,6 +83,9 @@ class Ready(msgspec.Struct, tag="ready", kw_only=True):
 
     schema_version: int
     receiver_pid: int
+    mapped: list[str] = []
+    """Tokens of the slots this receiver process already maps for this endpoint (the sender
+    re-allocates slots nobody can attach any more, e.g. for a restarted receiver)."""
 
 
 class Hello(msgspec.Struct, tag="hello", kw_only=True):

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from verl_fastsync.chunks import Bucket, ChunkMeta, pack_bucket
+from verl_fastsync.chunks import ChunkMeta, copy_bytes
 from verl_fastsync.colocated.channel import EventHook, _Channel, _noop_hook
-from verl_fastsync.colocated.memory import SlotMemory, _device_module, _fence, _resolve_memory
-from verl_fastsync.colocated.planner import WholeTensorPlanner, _with_checksums
+from verl_fastsync.colocated.memory import SlotMemory, _device_module, _fence, _resolve_memory, seal_slot
+from verl_fastsync.colocated.planner import Placement, WholeTensorPlanner, _with_checksums
 from verl_fastsync.colocated.protocol import (
     ENV_VERIFY,
     METRIC_PREFIX,
@@ -26,7 +26,6 @@ from verl_fastsync.colocated.protocol import (
     BucketMsg,
     ColocatedError,
     ColocatedProtocolError,
-    ColocatedTimeoutError,
     Hello,
     HelloAck,
     Message,
@@ -36,7 +35,7 @@ from verl_fastsync.colocated.protocol import (
     _PeerFailed,
     colocated_transport_name,
 )
-from verl_fastsync.colocated.slots import _LAST_METRICS, NUM_SLOTS, _sender_slots
+from verl_fastsync.colocated.slots import _LAST_METRICS, NUM_SLOTS, _sender_slots, _SenderSlots
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +54,11 @@ class ColocatedSender:
         or ``torch.<type>``).
     :param memory: an explicit :class:`SlotMemory` (overrides ``transport``).
     :param event_hook: optional tracer, see :data:`EventHook`.
+
+    Ownership: each tensor's bytes are copied into a slot (device copies fenced) before the producer
+    is asked for the next tensor, and no reference to a yielded tensor is kept, so a producer may
+    reuse or change a tensor as soon as it has yielded it. The sender's memory beyond the producer's
+    is the two slots.
     """
 
     def __init__(
@@ -88,205 +92,72 @@ class ColocatedSender:
         self._memory = memory
         self._hook = event_hook or _noop_hook
         self.last_metrics: dict[str, float] = {}
+        if memory is None and self.transport == "ipc":
+            # fail here, naming the fix, rather than at the first sync (never fall back to shm)
+            self._memory = self._make_memory()
+            probe = getattr(self._memory, "device", None)
+            if callable(probe):
+                probe()
 
     def _make_memory(self) -> SlotMemory:
         if self._memory is not None:
             return self._memory
         return _resolve_memory(self.transport, device_module=self.device_module)
 
-    def _fence(
-        self, slot_tensor: torch.Tensor, source_types: set[str], device_resident: bool, slot: int, seq: int
-    ) -> None:
-        types = set(source_types)
-        if slot_tensor.device.type != "cpu":
-            types.add(slot_tensor.device.type)
+    def _slots(self, mapped: tuple[str, ...] | None) -> _SenderSlots:
+        return _sender_slots(self.zmq_handle, self.transport, self.bucket_size, self._make_memory, mapped)
+
+    def _fence_types(self, types: set[str], device_resident: bool) -> None:
         if self.device_module is not None:
             if types or device_resident:
                 _fence(self.device_module)
         else:
             for device_type in sorted(types):
                 _fence(_device_module(device_type))
-        self._hook("fence", {"slot": slot, "seq": seq})
 
     async def async_send_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[Any]
     ) -> None:
         """Send ``(name, tensor)`` pairs (sync iterable or async iterator) to the receiver."""
         start = time.perf_counter()
-        slots = _sender_slots(self.zmq_handle, self.transport, self.bucket_size, self._make_memory)
-        sync_id = uuid.uuid4().hex[:12]
-        channel = _Channel(self.zmq_handle, "sender", self.timeout_s, bind=True)
-        planner = WholeTensorPlanner(self.bucket_size)
-        inflight: dict[int, tuple[int, list[str]]] = {}  # slot -> (seq, tensor names)
-        held: tuple[int, int, list[ChunkMeta]] | None = None
-        stats = {"slot_waits": 0, "slot_wait_s": 0.0, "chunked": 0, "buckets": 0}
-        phase, seq, names_in_flight = "hello", 0, []
-        ok = False
-
-        def wait_ack(slot: int) -> None:
-            aseq, anames = inflight[slot]
-            t0 = time.perf_counter()
-            waited = not channel.socket.poll(0)
-            msg = channel.recv("wait-ack", aseq, anames)
-            while isinstance(msg, Ready) or (isinstance(msg, HelloAck) and msg.sync_id == sync_id):
-                msg = channel.recv("wait-ack", aseq, anames)  # late copies of the handshake
-            if isinstance(msg, Abort):
-                raise ColocatedError(
-                    f"verl-fastsync sender: the receiver aborted bucket {aseq}: {msg.reason}"
-                )
-            if not isinstance(msg, Ack) or msg.sync_id != sync_id:
-                raise ColocatedProtocolError(
-                    f"verl-fastsync sender: expected the ack of bucket {aseq} (slot {slot}), got {msg!r}"
-                )
-            if msg.error is not None:
-                raise ColocatedError(
-                    f"verl-fastsync sender: the receiver failed on bucket {msg.seq} "
-                    f"(tensors {anames[:4]}): {msg.error}"
-                )
-            if msg.seq not in {s for s, _ in inflight.values()}:
-                raise ColocatedProtocolError(f"verl-fastsync sender: ack for unknown bucket {msg.seq}")
-            # acks come in order: a PAIR socket keeps order and the receiver handles buckets in order
-            if msg.slot != slot or msg.seq != aseq:
-                raise ColocatedProtocolError(
-                    f"verl-fastsync sender: out-of-order ack (bucket {msg.seq}, slot {msg.slot}); "
-                    f"expected bucket {aseq}, slot {slot}"
-                )
-            del inflight[slot]
-            self._hook("ack", {"slot": slot, "seq": aseq})
-            if waited:
-                stats["slot_waits"] += 1
-                stats["slot_wait_s"] += time.perf_counter() - t0
-
-        def send_held(is_last: bool) -> None:
-            assert held is not None
-            hseq, hslot, metas = held
-            names = [m.name for m in metas]
-            channel.send(
-                BucketMsg(
-                    schema_version=SCHEMA_VERSION,
-                    sync_id=sync_id,
-                    seq=hseq,
-                    slot=hslot,
-                    chunks=metas,
-                    is_last=is_last,
-                ),
-                "send-bucket",
-                hseq,
-                names,
-            )
-            inflight[hslot] = (hseq, names)
-            self._hook("send", {"slot": hslot, "seq": hseq, "is_last": is_last})
-
-        def stage(bucket: Bucket) -> None:
-            nonlocal held, seq, names_in_flight, phase
-            slot = seq % NUM_SLOTS
-            if held is not None:
-                send_held(False)
-            names_in_flight = [m.name for m in bucket.metas]
-            if slot in inflight:
-                phase = "wait-slot"
-                wait_ack(slot)
-            phase = "pack"
-            self._hook("pack", {"slot": slot, "seq": seq})
-            types = {data.device.type for _, data in bucket.chunks if data.device.type != "cpu"}
-            pack_bucket(bucket, slots.tensors[slot])
-            metas = _with_checksums(bucket.metas, slots.tensors[slot]) if self.verify else bucket.metas
-            stats["chunked"] += sum(1 for m in bucket.metas if not m.is_whole and m.chunk_offset == 0)
-            self._fence(
-                slots.tensors[slot], types, bool(getattr(slots.memory, "device_resident", False)), slot, seq
-            )
-            held = (seq, slot, metas)
-            stats["buckets"] += 1
-            seq += 1
-
+        run = _SendRun(self, self._slots(None))
         try:
-            hello = Hello(
-                schema_version=SCHEMA_VERSION,
-                sync_id=sync_id,
-                transport=self.transport,
-                slots=list(slots.descs),
-                sender_pid=os.getpid(),
-                verify=self.verify,
-            )
-            deadline = time.monotonic() + self.timeout_s
-            reply: Message | None = None
-            while reply is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise channel._timeout("waiting for", "hello", None, ())
-                # short waits that yield to the event loop: the request that starts the receiver
-                # may be an awaitable of this same loop (SGLang's update_weights_from_tensor)
-                got = channel.recv_within(min(0.005, left), "hello")
-                if got is None:
-                    await asyncio.sleep(0.001)
-                    continue
-                if isinstance(got, Ready):  # a receiver announced itself (again): (re)send the hello
-                    channel.send(hello, "hello")
-                elif getattr(got, "sync_id", None) == sync_id:
-                    reply = got
-                    channel.peer_locked = True
-                # else: a stale message of an earlier sync (ignored)
-            if isinstance(reply, Abort):
-                raise ColocatedError(f"verl-fastsync sender: the receiver aborted at hello: {reply.reason}")
-            if not isinstance(reply, HelloAck):
-                raise ColocatedProtocolError(f"verl-fastsync sender: expected hello_ack, got {reply!r}")
-            if reply.error is not None:
-                raise ColocatedError(
-                    f"verl-fastsync sender: the receiver could not map the slots: {reply.error}"
-                )
-            phase = "plan"
+            await run.handshake()
+            run.phase = "plan"
             if isinstance(weights, AsyncIterable):
-                async for item in weights:
-                    name, tensor = _pair(item)
-                    for bucket in planner.add(name, tensor):
-                        stage(bucket)
-                    phase = "plan"
+                aiterator = weights.__aiter__()
+                while True:
+                    try:
+                        item = await aiterator.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    run.take(item)
+                    del item  # no reference to a yielded tensor while the producer makes the next
             else:
-                for item in weights:
-                    name, tensor = _pair(item)
-                    for bucket in planner.add(name, tensor):
-                        stage(bucket)
-                    phase = "plan"
+                iterator = iter(weights)
+                while True:
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        break
+                    run.take(item)
+                    del item
                     await asyncio.sleep(0)
-            for bucket in planner.finish():
-                stage(bucket)
-            if held is None:  # empty sync: still tell the receiver it is over
-                slot = seq % NUM_SLOTS
-                held = (seq, slot, [])
-                seq += 1
-            send_held(True)
-            phase = "drain"
-            for slot in sorted(inflight, key=lambda s: inflight[s][0]):
-                wait_ack(slot)
-            ok = True
+            run.finish()
         except BaseException as exc:
-            if isinstance(exc, _PeerFailed):
-                raise channel.peer_failure() from None
-            if not isinstance(exc, ColocatedTimeoutError | ColocatedProtocolError):
-                try:
-                    channel.send_nowait(
-                        Abort(schema_version=SCHEMA_VERSION, sync_id=sync_id, reason=repr(exc))
-                    )
-                except Exception:
-                    pass
-            if isinstance(exc, Exception) and not isinstance(exc, ColocatedError):
-                raise ColocatedError(
-                    f"verl-fastsync sender failed in phase {phase} (bucket {seq}, tensors "
-                    f"{names_in_flight[:4]}): {exc!r}"
-                ) from exc
+            run.fail(exc)
             raise
         finally:
-            channel.close()
-            if not ok:
-                # a half-finished sync leaves slot contents undefined but the slots stay valid; the
-                # next sync starts with a fresh hello, so nothing is torn down here.
-                pass
-        seconds = time.perf_counter() - start
-        total = planner.total_bytes
+            run.channel.close()
+        self._record(run, time.perf_counter() - start)
+
+    def _record(self, run: _SendRun, seconds: float) -> None:
+        total = run.planner.total_bytes
+        stats = run.stats
         self.last_metrics = {
             f"{METRIC_PREFIX}bytes": float(total),
             f"{METRIC_PREFIX}buckets": float(stats["buckets"]),
-            f"{METRIC_PREFIX}tensors": float(planner.num_tensors),
+            f"{METRIC_PREFIX}tensors": float(run.planner.num_tensors),
             f"{METRIC_PREFIX}chunked_tensors": float(stats["chunked"]),
             f"{METRIC_PREFIX}seconds": seconds,
             f"{METRIC_PREFIX}gbps": (total / seconds / 1e9) if seconds > 0 else 0.0,
@@ -304,6 +175,214 @@ class ColocatedSender:
             self.last_metrics[f"{METRIC_PREFIX}gbps"],
             stats["slot_waits"],
         )
+
+
+class _SendRun:
+    """The state of one sync on the sender (channel, open bucket, buckets in flight)."""
+
+    def __init__(self, owner: ColocatedSender, slots: _SenderSlots) -> None:
+        self.owner = owner
+        self.hook = owner._hook
+        self.slots = slots
+        self.sync_id = uuid.uuid4().hex[:12]
+        self.channel = _Channel(owner.zmq_handle, "sender", owner.timeout_s, bind=True)
+        self.planner = WholeTensorPlanner(owner.bucket_size)
+        self.inflight: dict[int, tuple[int, list[str]]] = {}  # slot -> (seq, tensor names)
+        self.seq = 0  # the next bucket to open
+        self.open_slot: int | None = None  # the slot being packed, holding bucket seq - 1
+        self.metas: list[ChunkMeta] = []
+        self.unfenced: set[str] = set()  # device types with copies not yet fenced
+        self.stats: dict[str, Any] = {"slot_waits": 0, "slot_wait_s": 0.0, "chunked": 0, "buckets": 0}
+        self.phase = "hello"
+        self.names_in_flight: list[str] = []
+        self.peer_reported = False  # the failure is the receiver's own report: no abort back
+
+    # ------------------------------------------------------------------ handshake
+
+    def _hello(self) -> Hello:
+        return Hello(
+            schema_version=SCHEMA_VERSION,
+            sync_id=self.sync_id,
+            transport=self.owner.transport,
+            slots=list(self.slots.descs),
+            sender_pid=os.getpid(),
+            verify=self.owner.verify,
+        )
+
+    async def handshake(self) -> None:
+        channel = self.channel
+        deadline = time.monotonic() + self.owner.timeout_s
+        reply: Message | None = None
+        while reply is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise channel._timeout("waiting for", "hello", None, ())
+            # short waits that yield to the event loop: the request that starts the receiver may be
+            # an awaitable of this same loop (SGLang's update_weights_from_tensor)
+            got = channel.recv_within(min(0.005, left), "hello")
+            if got is None:
+                await asyncio.sleep(0.001)
+                continue
+            if isinstance(got, Ready):  # a receiver announced itself (again): (re)send the hello
+                self.slots = self.owner._slots(tuple(got.mapped))
+                channel.send(self._hello(), "hello")
+            elif getattr(got, "sync_id", None) == self.sync_id:
+                reply = got
+                channel.peer_locked = True
+            # else: a stale message of an earlier sync (ignored)
+        if isinstance(reply, Abort):
+            self.peer_reported = True
+            raise ColocatedError(f"verl-fastsync sender: the receiver aborted at hello: {reply.reason}")
+        if not isinstance(reply, HelloAck):
+            raise ColocatedProtocolError(f"verl-fastsync sender: expected hello_ack, got {reply!r}")
+        if reply.error is not None:
+            self.peer_reported = True
+            raise ColocatedError(f"verl-fastsync sender: the receiver could not map the slots: {reply.error}")
+        # the receiver maps the slots: drop their names (nothing left in /dev/shm if we are killed)
+        sealed = [seal_slot(self.slots.memory, desc) for desc in self.slots.descs]
+        self.slots.sealed = self.slots.sealed or all(sealed)
+
+    # ------------------------------------------------------------------ packing
+
+    def take(self, item: Any) -> None:
+        """Copy one produced tensor's bytes into the slots (sending buckets as they fill), fenced,
+        before returning: the caller then drops its last reference to the tensor."""
+        name, tensor = _pair(item)
+        self.names_in_flight = [name]
+        placements = self.planner.place(name, tensor)
+        del tensor
+        placements.reverse()
+        while placements:  # pop: no placement (a view of the tensor) outlives its copy
+            self._copy(placements.pop(), self.slots)
+        if self.unfenced:
+            self.owner._fence_types(self.unfenced, False)
+            self.unfenced.clear()
+        self.phase = "plan"
+
+    def _copy(self, p: Placement, slots: _SenderSlots) -> None:
+        if self.open_slot is not None and p.bucket != self.seq - 1:
+            self._send_open(is_last=False)
+        if self.open_slot is None:
+            self._open()
+        slot = slots.tensors[self.open_slot]  # type: ignore[index]
+        self.phase = "pack"
+        meta = p.meta
+        if meta.chunk_size:
+            copy_bytes(slot[meta.bucket_offset : meta.bucket_offset + meta.chunk_size], p.data)
+        for device_type in (p.data.device.type, slot.device.type):
+            if device_type != "cpu":
+                self.unfenced.add(device_type)
+        self.metas.append(meta)
+        if not meta.is_whole and meta.chunk_offset == 0:
+            self.stats["chunked"] += 1
+        if p.closes:
+            self._send_open(is_last=False)
+
+    def _open(self) -> None:
+        slot = self.seq % NUM_SLOTS
+        if slot in self.inflight:
+            self.phase = "wait-slot"
+            self._wait_ack(slot)
+        self.open_slot = slot
+        self.metas = []
+        self.hook("pack", {"slot": slot, "seq": self.seq})
+        self.seq += 1
+
+    def _send_open(self, is_last: bool) -> None:
+        slot, seq = self.open_slot, self.seq - 1
+        assert slot is not None
+        slot_tensor = self.slots.tensors[slot]
+        types = set(self.unfenced)
+        if slot_tensor.device.type != "cpu":
+            types.add(slot_tensor.device.type)
+        self.owner._fence_types(types, bool(getattr(self.slots.memory, "device_resident", False)))
+        self.unfenced.clear()
+        self.hook("fence", {"slot": slot, "seq": seq})
+        metas = _with_checksums(self.metas, slot_tensor) if self.owner.verify else self.metas
+        names = [m.name for m in metas]
+        self.phase = "send-bucket"
+        msg = BucketMsg(
+            schema_version=SCHEMA_VERSION,
+            sync_id=self.sync_id,
+            seq=seq,
+            slot=slot,
+            chunks=metas,
+            is_last=is_last,
+        )
+        self.channel.send(msg, "send-bucket", seq, names)
+        self.inflight[slot] = (seq, names)
+        self.hook("send", {"slot": slot, "seq": seq, "is_last": is_last})
+        self.stats["buckets"] += 1
+        self.open_slot = None
+        self.metas = []
+
+    def finish(self) -> None:
+        """Send the last bucket (an empty one when the sync was empty or the last bucket was
+        sent because it was full), then wait for every ack."""
+        if self.open_slot is None:
+            self._open()
+        self._send_open(is_last=True)
+        self.phase = "drain"
+        for slot in sorted(self.inflight, key=lambda s: self.inflight[s][0]):
+            self._wait_ack(slot)
+
+    def _wait_ack(self, slot: int) -> None:
+        channel = self.channel
+        aseq, anames = self.inflight[slot]
+        t0 = time.perf_counter()
+        waited = not channel.socket.poll(0)
+        msg = channel.recv("wait-ack", aseq, anames)
+        while isinstance(msg, Ready) or (isinstance(msg, HelloAck) and msg.sync_id == self.sync_id):
+            msg = channel.recv("wait-ack", aseq, anames)  # late copies of the handshake
+        if isinstance(msg, Abort):
+            self.peer_reported = True
+            raise ColocatedError(f"verl-fastsync sender: the receiver aborted bucket {aseq}: {msg.reason}")
+        if not isinstance(msg, Ack) or msg.sync_id != self.sync_id:
+            raise ColocatedProtocolError(
+                f"verl-fastsync sender: expected the ack of bucket {aseq} (slot {slot}), got {msg!r}"
+            )
+        if msg.error is not None:
+            self.peer_reported = True
+            raise ColocatedError(
+                f"verl-fastsync sender: the receiver failed on bucket {msg.seq} (tensors {anames[:4]}): "
+                f"{msg.error}"
+            )
+        # acks come in order: one connection keeps order and the receiver handles buckets in order
+        if msg.slot != slot or msg.seq != aseq:
+            raise ColocatedProtocolError(
+                f"verl-fastsync sender: out-of-order ack (bucket {msg.seq}, slot {msg.slot}); "
+                f"expected bucket {aseq}, slot {slot}"
+            )
+        del self.inflight[slot]
+        self.hook("ack", {"slot": slot, "seq": aseq})
+        if waited:
+            self.stats["slot_waits"] += 1
+            self.stats["slot_wait_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ failure
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the receiver why (unless the failure is its own report), then let ``exc`` propagate
+        (an :class:`Exception` wrapped in a :class:`ColocatedError` naming phase and bucket)."""
+        if isinstance(exc, _PeerFailed):
+            raise self.channel.peer_failure() from None
+        if not self.peer_reported:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            try:
+                self.channel.send_nowait(
+                    Abort(
+                        schema_version=SCHEMA_VERSION,
+                        sync_id=self.sync_id,
+                        reason=f"{reason} (sender phase {self.phase}, bucket {self.seq - 1})",
+                    )
+                )
+            except Exception:
+                pass
+        if isinstance(exc, Exception) and not isinstance(exc, ColocatedError):
+            raise ColocatedError(
+                f"verl-fastsync sender failed in phase {self.phase} (bucket {max(self.seq - 1, 0)}, tensors "
+                f"{self.names_in_flight[:4]}): {exc!r}"
+            ) from exc
 
 
 def _pair(item: Any) -> tuple[str, torch.Tensor]:

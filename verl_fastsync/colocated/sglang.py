@@ -104,7 +104,9 @@ def sglang_fastsync_loader(
     """SGLang custom loader (``load_format=SGLANG_LOADER_FQN``): pull this worker's weights from the
     trainer rank named in the request and load them bucket by bucket with ``model.load_weights``."""
     request = read_pull_request(named_tensors)
-    receiver = ColocatedReceiver(request.zmq_handle, device or _worker_device(), timeout_s=request.timeout_s)
+    receiver = ColocatedReceiver(  # load_weights copies each tensor into the model: no copy needed
+        request.zmq_handle, device or _worker_device(), timeout_s=request.timeout_s, zero_copy=True
+    )
 
     def load(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
         if weights:

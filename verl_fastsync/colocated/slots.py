@@ -22,6 +22,12 @@ class _SenderSlots:
     nbytes: int
     tensors: list[torch.Tensor]
     descs: list[SlotDesc]
+    sealed: bool = False
+    """The receiver mapped them and they can no longer be attached by another process."""
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        return tuple(d.token for d in self.descs)
 
 
 @dataclass
@@ -73,19 +79,25 @@ def release_colocated_resources() -> None:
 
 
 def _sender_slots(
-    zmq_handle: str, memory_name: str, nbytes: int, make: Callable[[], SlotMemory]
+    zmq_handle: str,
+    memory_name: str,
+    nbytes: int,
+    make: Callable[[], SlotMemory],
+    mapped: tuple[str, ...] | None = None,
 ) -> _SenderSlots:
+    """This process's slots for ``zmq_handle``, (re-)allocated when the bucket size changed or when
+    they are sealed and the receiver (``mapped``: the tokens it maps) does not map them."""
     key = (zmq_handle, memory_name)
     with _LOCK:
         current = _SENDER_SLOTS.get(key)
-        if current is not None and current.nbytes == nbytes:
+        stale = current is not None and current.sealed and mapped is not None and mapped != current.tokens
+        if current is not None and current.nbytes == nbytes and not stale:
             return current
         if current is not None:
             logger.info(
-                "verl-fastsync: bucket size changed %d -> %d bytes; re-allocating the slots of %s",
-                current.nbytes,
-                nbytes,
+                "verl-fastsync: re-allocating the slots of %s (%s)",
                 zmq_handle,
+                "a new receiver" if stale else f"bucket size {current.nbytes} -> {nbytes} bytes",
             )
             del _SENDER_SLOTS[key]
             _release_sender(current)

@@ -41,7 +41,9 @@ def install_colocated(module: ModuleType) -> None:
 
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             if colocated_enabled():
-                return ColocatedReceiver(*args, **kwargs)
+                # verl's receiver contract: views valid during the callback (its callbacks copy or
+                # clone what they keep); a kept view fails loudly instead of reading stale bytes
+                return ColocatedReceiver(*args, zero_copy=True, **kwargs)
             return orig_receiver(*args, **kwargs)
 
     for switch, orig in ((BucketedWeightSender, orig_sender), (BucketedWeightReceiver, orig_receiver)):

@@ -130,7 +130,7 @@ class FastsyncColocated(baselines._Path):
 
             receiver = self.mod.ColocatedReceiver(
                 t["zmq"], device, use_shm=t["transport"] == "shm", timeout_s=t["timeout_s"],
-                device_module=dev_module,
+                device_module=dev_module, zero_copy=True,  # what verl's switch uses (verl's contract)
             )  # fmt: skip
             receiver.receive_weights(on_bucket)
         return {}
