@@ -22,6 +22,7 @@ MIB = 1 << 20
 POLL_S = 0.0002
 """The polling interval of fastsync's nixl transport, used by the raw NIXL rows that poll."""
 _STATE: dict[Any, Any] = {}
+_AGENTS: list[str] = []  # every agent name this process used (each new agent gets a new name)
 
 
 def _payload(nbytes: int) -> Any:
@@ -200,16 +201,12 @@ def fs_init(kwargs: dict[str, Any]) -> None:
 def fs_send(nbytes: int, bucket: int) -> dict[str, Any]:
     import torch
 
-    from verl_fastsync.chunks import aplan_buckets
-
-    data = _STATE.get(("payload", nbytes))
-    if data is None:
-        data = _payload(nbytes)
+    data = _payload(nbytes)
     tensors = [
         (name, data[off : off + size].view(torch.bfloat16)) for name, off, size in _model(nbytes, bucket)
     ]
     start = time.monotonic()
-    asyncio.run(_STATE["fs"].send(aplan_buckets(iter(tensors), bucket)))
+    asyncio.run(_STATE["fs"].send(iter(tensors)))  # the bucket size came with init_process_group
     return {"start": start, "digest": _digest([t for _, t in tensors])}
 
 
@@ -235,13 +232,15 @@ def fs_finalize() -> None:
     _STATE["fs"].finalize()
 
 
-def nixl_agent(nbytes: int, sender: bool) -> dict[str, Any]:
+def nixl_agent(nbytes: int, sender: bool, progress_thread: bool) -> dict[str, Any]:
+    """An agent (UCX backend; NIXL's progress thread on or off) with the payload (sender) or the
+    target buffer registered; its name, metadata and buffer address for the peer."""
     import os
 
     from nixl._api import nixl_agent, nixl_agent_config
 
-    name = f"crosshost-{'a' if sender else 'b'}-{os.getpid()}"
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    _AGENTS.append(name := f"crosshost-{'a' if sender else 'b'}-{os.getpid()}-{len(_AGENTS)}")
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
     buf = _payload(nbytes) if sender else _buffer(nbytes)
     _STATE["nixl"] = agent
     _STATE["nixl_reg"] = agent.register_memory([buf])
