@@ -21,6 +21,7 @@ from verl_fastsync.colocated.protocol import (
     Ready,
     _PeerFailed,
 )
+from verl_fastsync.io.control import ControlChannel
 from verl_fastsync.wire import WireError, WireVersionError
 
 
@@ -61,26 +62,18 @@ class _Channel:
         self.peer_locked = False  # sender: set once that receiver acknowledged the hello
         self.early: list[Message] = []  # messages read while waiting to send
         self.owner = threading.get_ident()
-        ctx: Any = zmq.Context.instance()
-        self.socket: Any = ctx.socket(zmq.ROUTER if bind else zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._ctl = ControlChannel(linger_ms=_LINGER_MS)
         try:
             if bind:
-                self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                _remove_path(zmq_handle)
-                self.socket.bind(zmq_handle)
-                path = _ipc_path(zmq_handle)
-                if path:
-                    os.chmod(path, 0o600)
+                self._ctl.bind(endpoint=zmq_handle)
             else:
-                self.socket.setsockopt(zmq.ROUTING_ID, b"r" + uuid.uuid4().bytes)
                 # the sender binds per sync, usually after we connect: retry every millisecond, not
                 # zmq's default 100 ms (which would be added to every sync)
-                self.socket.setsockopt(zmq.RECONNECT_IVL, 1)
-                self.socket.connect(zmq_handle)
+                self._ctl.connect(zmq_handle, b"r" + uuid.uuid4().bytes, reconnect_ivl_ms=1)
         except BaseException:
-            self.socket.close(0)
+            self._ctl.close()
             raise
+        self.socket: Any = self._ctl.sock
 
     def _where(self, phase: str, seq: int | None, tensors: Iterable[str]) -> str:
         names = list(tensors)
@@ -225,7 +218,7 @@ class _Channel:
         # no disconnect() first: it would drop the last ack still queued. A closing receiver that
         # reconnects to the next sync's sender is ignored there (another routing id).
         # let a last ack or abort leave before the socket goes (close does not block on it)
-        self.socket.close(_LINGER_MS)
+        self._ctl.close()
         if self.bound:
             _remove_path(self.zmq_handle)
 

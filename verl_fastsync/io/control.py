@@ -62,13 +62,26 @@ class ControlChannel:
         self._sock = sock
         return sock
 
-    def bind(self, host: str | None = None) -> str:
+    def bind(self, host: str | None = None, *, endpoint: str | None = None) -> str:
         """Owner: bind a ROUTER; ``host=None`` -> private ``ipc://`` socket, else ``tcp://host``.
-        Returns the endpoint peers connect to."""
+        ``endpoint``: bind exactly there instead (a fixed path both sides know, as verl's colocated
+        ``zmq_handle``): a stale ``ipc://`` file is replaced and the new one made 0600; the caller
+        removes it. Returns the endpoint peers connect to."""
         sock = self._socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.is_owner = True
-        if host is None:
+        if endpoint is not None:
+            path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+            if path:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            sock.bind(endpoint)
+            if path:
+                os.chmod(path, 0o600)
+            self.endpoint = endpoint
+        elif host is None:
             self._dir = tempfile.mkdtemp(prefix="fastsync-")
             os.chmod(self._dir, 0o700)
             path = os.path.join(self._dir, "ctl.sock")
@@ -80,11 +93,16 @@ class ControlChannel:
             self.endpoint = f"tcp://{host}:{port}"
         return self.endpoint
 
-    def connect(self, endpoint: str, routing_id: bytes | None = None) -> None:
-        """Peer: connect a DEALER to the owner's endpoint."""
+    def connect(
+        self, endpoint: str, routing_id: bytes | None = None, *, reconnect_ivl_ms: int | None = None
+    ) -> None:
+        """Peer: connect a DEALER to the owner's endpoint (``reconnect_ivl_ms``: retry interval
+        while the owner is not bound yet; zmq's default is 100 ms)."""
         sock = self._socket(zmq.DEALER)
         if routing_id is not None:
             sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if reconnect_ivl_ms is not None:
+            sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
         sock.connect(endpoint)
         self.endpoint = endpoint
 
