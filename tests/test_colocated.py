@@ -40,8 +40,8 @@ from verl_fastsync.colocated import (
     release_colocated_resources,
     uninstall_colocated,
 )
-from verl_fastsync.colocated import memory as memory_mod
 from verl_fastsync.colocated import slots as slots_mod
+from verl_fastsync.io import shm as shm_mod
 from verl_fastsync.plugins import (
     UnknownPluginNameError,
     available_transports,
@@ -422,9 +422,9 @@ def test_ipc_protocol_fence_before_handover_ack_before_reuse(handle: str) -> Non
         pack = rec.index("sender", "pack", seq=seq)
         fence = rec.index("sender", "fence", seq=seq)
         send = rec.index("sender", "send", seq=seq)
-        # the device work of the packing is fenced (event record + sync) before the handover
+        # the device work of the packing is fenced (device synchronize) before the handover
         assert pack < fence < send
-        assert any(e == "device_event_sync" for s, e, _ in rec.events[pack:fence] if s == "sender")
+        assert any(e == "device_synchronize" for s, e, _ in rec.events[pack:fence] if s == "sender")
         # the receiver syncs its device and drops its views before it acknowledges
         sync = max(
             i
@@ -670,7 +670,7 @@ def test_segments_of_dead_owners_are_swept(monkeypatch: pytest.MonkeyPatch) -> N
     for path in paths:
         with open(path, "wb") as fh:
             fh.write(b"x")
-    monkeypatch.setattr(memory_mod, "_SWEPT", False)
+    monkeypatch.setattr(shm_mod, "_SWEPT", set())
     try:
         removed = colocated.sweep_dead_segments()
         assert os.path.basename(paths[0]) in removed

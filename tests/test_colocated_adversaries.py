@@ -525,3 +525,39 @@ def test_ipc_slot_is_synchronized_before_its_handle_is_exported(monkeypatch: pyt
     memory = IpcSlotMemory(device_module=Device(), device="meta")
     memory.allocate(0, 16)
     assert calls == ["synchronize", "export"]
+
+
+# ---------------------------------------------------------------- one version rule
+
+
+@pytest.mark.timeout(HANG_S)
+def test_a_message_without_schema_version_is_refused_like_any_other_version(handle: str) -> None:
+    """The one rule of every control message (verl_fastsync.wire): no version means version 0."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(handle)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            ColocatedReceiver(handle, "cpu", timeout_s=30).receive_weights(lambda b, i: None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    hello = msgspec.to_builtins(
+        Hello(schema_version=SCHEMA_VERSION, sync_id="x", transport="shm", slots=[], sender_pid=1)
+    )
+    del hello["schema_version"]
+    try:
+        assert router.poll(30_000)
+        ident, _ = router.recv_multipart()
+        router.send_multipart([ident, msgspec.msgpack.encode(hello)])
+        thread.join(30)
+    finally:
+        router.close(0)
+        ctx.term()
+    assert errors and isinstance(errors[0], ColocatedProtocolError), errors
+    assert "treated as 0" in str(errors[0]) and f"speaks version {SCHEMA_VERSION}" in str(errors[0])

@@ -540,7 +540,7 @@ def test_colocated_other_schema_version_rejected_naming_both(colo_handle: str, c
     assert not thread.is_alive()
     assert errors and isinstance(errors[0], ColocatedProtocolError), errors
     text = str(errors[0])
-    assert f"schema version {other}" in text and f"this side {SCHEMA_VERSION}" in text, text
+    assert f"sent version {other}" in text and f"this side speaks version {SCHEMA_VERSION}" in text, text
 
 
 NON_TENSOR_SEND = """

@@ -17,6 +17,8 @@ Messages (tagged union, tag field ``type``):
 * :class:`BucketAck` - a receiver is done with a bucket; its slot may be reused.
 * :class:`SyncEnd` - the sender has sent every bucket (totals for cross-checking).
 * :class:`Abort` - a side failed; ``reason`` says why (the peer raises with it).
+
+The colocated path's messages (``Colocated*``, :data:`COLOCATED_CODEC`) are at the end of this module.
 """
 
 from __future__ import annotations
@@ -28,15 +30,26 @@ import msgspec
 from verl_fastsync.chunks import ChunkMeta
 
 __all__ = [
+    "COLOCATED_CODEC",
+    "COLOCATED_SCHEMA_VERSION",
     "WIRE_SCHEMA_VERSION",
     "Abort",
     "Attached",
     "BucketAck",
     "BucketReady",
     "Codec",
+    "ColocatedAbort",
+    "ColocatedAck",
+    "ColocatedBucket",
+    "ColocatedHello",
+    "ColocatedHelloAck",
+    "ColocatedMessage",
+    "ColocatedReady",
     "Hello",
+    "IpcHandle",
     "Message",
     "PeerBuffers",
+    "SlotDesc",
     "SyncEnd",
     "Welcome",
     "WireError",
@@ -190,3 +203,85 @@ def decode(data: bytes | memoryview, *, peer: str = "peer") -> Message:
     """Decode an engine control message (:func:`check_version` first)."""
     message: Message = _codec.decode(data, peer=peer)
     return message
+
+
+# -- the colocated path (verl_fastsync.colocated): trainer -> engine workers on one host ----------
+
+COLOCATED_SCHEMA_VERSION = 2
+"""Version of the colocated messages (same rule: :func:`check_version`)."""
+
+
+class _ColocatedBase(msgspec.Struct, tag_field="type", kw_only=True):
+    schema_version: int = COLOCATED_SCHEMA_VERSION
+
+
+class IpcHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """A CUDA-IPC export of one slot (the fields torch's ``rebuild_cuda_tensor`` needs)."""
+
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+class SlotDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """One slot of the persistent bucket, as the receiver needs it to map it."""
+
+    index: int
+    nbytes: int
+    token: str
+    """Unique per allocation: a receiver keeps its mapping while the token is unchanged."""
+    shm_name: str | None = None
+    ipc: IpcHandle | None = None
+
+
+class ColocatedReady(_ColocatedBase, tag="ready"):
+    """Receiver -> sender, resent until the hello arrives: "this routing id receives this sync"."""
+
+    receiver_pid: int
+    mapped: list[str] = []
+    """Tokens of the slots this receiver process already maps for this endpoint (the sender
+    re-allocates slots nobody can attach any more, e.g. for a restarted receiver)."""
+
+
+class ColocatedHello(_ColocatedBase, tag="hello"):
+    sync_id: str
+    transport: str
+    slots: list[SlotDesc]
+    sender_pid: int
+    verify: bool = False
+
+
+class ColocatedHelloAck(_ColocatedBase, tag="hello_ack"):
+    sync_id: str
+    error: str | None = None
+
+
+class ColocatedBucket(_ColocatedBase, tag="bucket"):
+    sync_id: str
+    seq: int
+    slot: int
+    chunks: list[ChunkMeta]
+    is_last: bool
+
+
+class ColocatedAck(_ColocatedBase, tag="ack"):
+    sync_id: str
+    seq: int
+    slot: int
+    error: str | None = None
+
+
+class ColocatedAbort(_ColocatedBase, tag="abort"):
+    sync_id: str
+    reason: str
+
+
+ColocatedMessage = Union[  # noqa: UP007
+    ColocatedReady, ColocatedHello, ColocatedHelloAck, ColocatedBucket, ColocatedAck, ColocatedAbort
+]
+COLOCATED_CODEC = Codec(ColocatedMessage, version=COLOCATED_SCHEMA_VERSION)

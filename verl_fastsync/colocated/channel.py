@@ -9,14 +9,9 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import msgspec
-
 from verl_fastsync.colocated.protocol import (
-    _DECODER,
-    _ENCODER,
-    _VERSION_DECODER,
+    CODEC,
     ENV_ENABLE,
-    SCHEMA_VERSION,
     Abort,
     Ack,
     ColocatedError,
@@ -26,6 +21,7 @@ from verl_fastsync.colocated.protocol import (
     Ready,
     _PeerFailed,
 )
+from verl_fastsync.wire import WireError, WireVersionError
 
 
 def _ipc_path(zmq_handle: str) -> str | None:
@@ -109,7 +105,7 @@ class _Channel:
         """Send ``msg``; while the peer cannot take it, read what it sent meanwhile, so that an error
         ack or an abort from a peer that has gone away surfaces at once instead of as a timeout."""
         zmq = self._zmq
-        frames = [_ENCODER.encode(msg)]
+        frames = [CODEC.encode(msg)]
         if self.bound:
             if self.peer_id is None:
                 raise ColocatedProtocolError("verl-fastsync sender: no receiver has announced itself yet")
@@ -140,7 +136,7 @@ class _Channel:
 
     def send_nowait(self, msg: Message) -> None:
         """Best effort, never blocks (an abort on the way out)."""
-        frames = [_ENCODER.encode(msg)]
+        frames = [CODEC.encode(msg)]
         if self.bound:
             if self.peer_id is None:
                 return
@@ -198,20 +194,12 @@ class _Channel:
             return None
         else:
             raw = frames[0]
-        # The version first, from a struct that only reads it: a peer of another release may have
-        # changed the message fields, and the error must then name both versions.
+        # the one rule of every control message: the version first (verl_fastsync.wire.check_version)
         try:
-            version = _VERSION_DECODER.decode(raw).schema_version
-        except msgspec.DecodeError:
-            version = SCHEMA_VERSION  # not a map with a version: the full decode below says why
-        if version != SCHEMA_VERSION:
-            raise ColocatedProtocolError(
-                f"verl-fastsync {self.role}: the {self.peer} speaks schema version {version}, "
-                f"this side {SCHEMA_VERSION}; install the same verl-fastsync version in both processes"
-            )
-        try:
-            msg = _DECODER.decode(raw)
-        except msgspec.DecodeError as exc:
+            msg = CODEC.decode(raw, peer=f"the {self.peer}")
+        except WireVersionError as exc:
+            raise ColocatedProtocolError(f"verl-fastsync {self.role}: {exc}") from None
+        except WireError as exc:
             raise ColocatedProtocolError(
                 f"verl-fastsync {self.role}: undecodable message from {self._where(phase, seq, tensors)}: "
                 f"{exc} (is the peer verl's original transfer? set {ENV_ENABLE} identically on both sides)"

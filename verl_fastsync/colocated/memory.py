@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import uuid
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -18,33 +15,10 @@ from verl_fastsync.colocated.protocol import (
     IpcHandle,
     SlotDesc,
 )
+from verl_fastsync.io import shm
+from verl_fastsync.io.fence import device_module
 
 logger = logging.getLogger(__name__)
-
-
-def _device_module(device_type: str) -> Any:
-    """The torch device module for ``device_type`` (verl's ``get_torch_device()`` when present)."""
-    try:
-        from verl.utils.device import get_device_name, get_torch_device
-    except Exception:  # verl absent (GPU check machine) or not importable here
-        return getattr(torch, device_type)
-    if get_device_name() == device_type:
-        return get_torch_device()
-    return getattr(torch, device_type)
-
-
-def _fence(module: Any) -> None:
-    """Wait until the work queued on the current stream (our copies) is done."""
-    event_cls = getattr(module, "Event", None)
-    if event_cls is not None:
-        try:
-            event = event_cls()
-            event.record()
-            event.synchronize()
-            return
-        except Exception:  # a device module whose Event cannot be recorded here
-            pass
-    module.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,143 +61,69 @@ def seal_slot(memory: SlotMemory, desc: SlotDesc) -> bool:
     return bool(seal(desc)) if callable(seal) else False
 
 
-def _shm_funcs() -> tuple[Callable[..., int], Callable[[str], None]]:
-    import _posixshmem  # CPython's POSIX shm module (what multiprocessing.shared_memory uses)
+SHM_PREFIX = "verl_fastsync_"
+"""Segment names are ``/verl_fastsync_<owner pid>_<128 random bits>`` (:mod:`verl_fastsync.io.shm`)."""
 
-    return _posixshmem.shm_open, _posixshmem.shm_unlink
+
+def sweep_dead_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink slot segments whose owner process no longer exists (a sender killed before the
+    receiver attached); once per process, before its first allocation."""
+    return shm.sweep_dead_segments(SHM_PREFIX, shm_dir)
 
 
 class ShmSlotMemory:
-    """POSIX shared-memory slots (``/dev/shm``), mode 0600.
-
-    Mapped with ``mmap`` directly rather than ``multiprocessing.shared_memory``: attaching through
-    the latter registers the segment with the attaching process's resource tracker, which unlinks it
-    when *that* process exits (python 3.11), i.e. under the owner's feet.
-    """
+    """POSIX shared-memory slots through the one segment helper (:mod:`verl_fastsync.io.shm`):
+    mode 0600, random names, unlinked as soon as the receiver attached (:meth:`seal`)."""
 
     name = "shm"
     device_resident = False
 
     def __init__(self, **_: Any) -> None:
-        self._maps: dict[str, mmap.mmap] = {}
-
-    def _map(self, shm_name: str, nbytes: int, create: bool) -> mmap.mmap:
-        shm_open, shm_unlink = _shm_funcs()
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = shm_open(shm_name, flags, 0o600)
-        try:
-            if create:
-                try:
-                    os.ftruncate(fd, nbytes)
-                except OSError:
-                    shm_unlink(shm_name)
-                    raise
-            elif os.fstat(fd).st_size < nbytes:
-                raise ColocatedProtocolError(
-                    f"shared-memory segment {shm_name!r} has {os.fstat(fd).st_size} bytes, the sender "
-                    f"announced {nbytes}"
-                )
-            return mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        self._segments: dict[str, shm.Segment] = {}
 
     def allocate(self, index: int, nbytes: int) -> tuple[torch.Tensor, SlotDesc]:
-        sweep_dead_segments()
+        segment = shm.Segment.create(nbytes, prefix=SHM_PREFIX)
         token = uuid.uuid4().hex[:16]
-        shm_name = f"/{SHM_PREFIX}{os.getpid()}_{token}_{index}"
-        mm = self._map(shm_name, nbytes, create=True)
-        self._maps[token] = mm
-        desc = SlotDesc(index=index, nbytes=nbytes, token=token, shm_name=shm_name)
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), desc
+        self._segments[token] = segment
+        assert segment.tensor is not None
+        desc = SlotDesc(index=index, nbytes=nbytes, token=token, shm_name="/" + segment.name)
+        return segment.tensor, desc
+
+    def _drop(self, desc: SlotDesc) -> None:
+        segment = self._segments.pop(desc.token, None)
+        if segment is not None and not segment.close():
+            # a view into the slot is still referenced (e.g. a callback kept a tensor): the mapping
+            # goes with that last view. Never gc.collect() here.
+            logger.warning("verl-fastsync: slot %d (%s) still has live views", desc.index, desc.shm_name)
 
     def release(self, desc: SlotDesc) -> None:
-        mm = self._maps.pop(desc.token, None)
         try:
-            if mm is not None:
-                _close_map(mm, desc)
+            self._drop(desc)
         finally:
             if desc.shm_name is not None:
-                try:
-                    _shm_funcs()[1](desc.shm_name)
-                except FileNotFoundError:
-                    pass
+                shm.unlink_quietly(desc.shm_name)
 
     def seal(self, desc: SlotDesc) -> bool:
         """Unlink the segment's name (both mappings stay valid): nothing is left in /dev/shm for a
         sender killed later, and no other process can attach the slot."""
-        if desc.shm_name is not None:
-            try:
-                _shm_funcs()[1](desc.shm_name)
-            except FileNotFoundError:
-                pass
+        segment = self._segments.get(desc.token)
+        if segment is not None:
+            segment.unlink()
         return True
 
     def attach(self, desc: SlotDesc, device: torch.device) -> torch.Tensor:
         if desc.shm_name is None:
             raise ColocatedProtocolError(f"slot {desc.index} has no shared-memory name (transport mismatch)")
-        mm = self._map(desc.shm_name, desc.nbytes, create=False)
-        self._maps[desc.token] = mm
-        return torch.frombuffer(mm, dtype=torch.uint8, count=desc.nbytes)
+        try:
+            segment = shm.Segment.attach(desc.shm_name, desc.nbytes)
+        except shm.SegmentError as exc:
+            raise ColocatedProtocolError(f"slot {desc.index}: {exc}") from None
+        self._segments[desc.token] = segment
+        assert segment.tensor is not None
+        return segment.tensor
 
     def detach(self, desc: SlotDesc) -> None:
-        mm = self._maps.pop(desc.token, None)
-        if mm is not None:
-            _close_map(mm, desc)
-
-
-SHM_PREFIX = "verl_fastsync_"
-"""Segment names are ``/verl_fastsync_<owner pid>_<token>_<slot>``."""
-
-_SWEPT = False
-
-
-def sweep_dead_segments(shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink slot segments whose owner process no longer exists (a sender killed before its
-    ``atexit`` ran). Runs once per process, before its first allocation; returns what it removed.
-    A receiver that still maps such a segment keeps its mapping (only the name goes)."""
-    global _SWEPT
-    if _SWEPT:
-        return []
-    _SWEPT = True
-    removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(SHM_PREFIX):
-            continue
-        owner = name[len(SHM_PREFIX) :].split("_", 1)[0]
-        if not owner.isdigit() or int(owner) == os.getpid():
-            continue
-        try:
-            os.kill(int(owner), 0)
-            continue  # alive (or not ours to signal): keep
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            _shm_funcs()[1]("/" + name)
-            removed.append(name)
-        except OSError:
-            pass
-    if removed:
-        logger.info("verl-fastsync: removed %d shared-memory slot(s) of dead processes", len(removed))
-    return removed
-
-
-def _close_map(mm: mmap.mmap, desc: SlotDesc) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        # A view into the slot is still referenced somewhere (e.g. a callback kept a tensor):
-        # the mapping is then freed with that last view. Never gc.collect() here.
-        logger.warning(
-            "verl-fastsync: slot %d (%s) still has live views; its mapping is released with them",
-            desc.index,
-            desc.shm_name,
-        )
+        self._drop(desc)
 
 
 class IpcSlotMemory:
@@ -238,7 +138,7 @@ class IpcSlotMemory:
         self._tensors: dict[str, torch.Tensor] = {}
 
     def _module(self, device_type: str) -> Any:
-        return self._device_module if self._device_module is not None else _device_module(device_type)
+        return self._device_module if self._device_module is not None else device_module(device_type)
 
     def device(self) -> torch.device:
         """The device slots are allocated on; a clear error where there is none with IPC."""

@@ -6,13 +6,11 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any, Union
+from typing import Any
 
-import msgspec
+from verl_fastsync import wire
 
-from verl_fastsync.chunks import ChunkMeta
-
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = wire.COLOCATED_SCHEMA_VERSION
 """Version of the control messages; a peer speaking another version is refused."""
 
 ENV_ENABLE = "VERL_FASTSYNC_COLOCATED"
@@ -54,90 +52,19 @@ class _PeerFailed(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-class IpcHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """A CUDA-IPC export of one slot (the fields torch's ``rebuild_cuda_tensor`` needs)."""
+# The messages live in verl_fastsync.wire with every other control message (one schema-version
+# rule, verl_fastsync.wire.check_version); the colocated path keeps its short names.
+Ready = wire.ColocatedReady
+Hello = wire.ColocatedHello
+HelloAck = wire.ColocatedHelloAck
+BucketMsg = wire.ColocatedBucket
+Ack = wire.ColocatedAck
+Abort = wire.ColocatedAbort
+Message = wire.ColocatedMessage
+IpcHandle = wire.IpcHandle
+SlotDesc = wire.SlotDesc
+CODEC = wire.COLOCATED_CODEC
 
-    device: int
-    handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
-
-
-class SlotDesc(msgspec.Struct, frozen=True, kw_only=True):
-    """One slot of the persistent bucket, as the receiver needs it to map it."""
-
-    index: int
-    nbytes: int
-    token: str
-    """Unique per allocation: a receiver keeps its mapping while the token is unchanged."""
-    shm_name: str | None = None
-    ipc: IpcHandle | None = None
-
-
-class Ready(msgspec.Struct, tag="ready", kw_only=True):
-    """Receiver -> sender, resent until the hello arrives: "this routing id receives this sync"."""
-
-    schema_version: int
-    receiver_pid: int
-    mapped: list[str] = []
-    """Tokens of the slots this receiver process already maps for this endpoint (the sender
-    re-allocates slots nobody can attach any more, e.g. for a restarted receiver)."""
-
-
-class Hello(msgspec.Struct, tag="hello", kw_only=True):
-    schema_version: int
-    sync_id: str
-    transport: str
-    slots: list[SlotDesc]
-    sender_pid: int
-    verify: bool = False
-
-
-class HelloAck(msgspec.Struct, tag="hello_ack", kw_only=True):
-    schema_version: int
-    sync_id: str
-    error: str | None = None
-
-
-class BucketMsg(msgspec.Struct, tag="bucket", kw_only=True):
-    schema_version: int
-    sync_id: str
-    seq: int
-    slot: int
-    chunks: list[ChunkMeta]
-    is_last: bool
-
-
-class Ack(msgspec.Struct, tag="ack", kw_only=True):
-    schema_version: int
-    sync_id: str
-    seq: int
-    slot: int
-    error: str | None = None
-
-
-class Abort(msgspec.Struct, tag="abort", kw_only=True):
-    schema_version: int
-    sync_id: str
-    reason: str
-
-
-Message = Union[Ready, Hello, HelloAck, BucketMsg, Ack, Abort]  # noqa: UP007 (a runtime value for msgspec)
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(Message)
-
-
-class _Versioned(msgspec.Struct):
-    """Any message, read only for its ``schema_version`` (other fields are ignored)."""
-
-    schema_version: int = SCHEMA_VERSION
-
-
-_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
 
 # ---------------------------------------------------------------------------------------------
 # configuration helpers

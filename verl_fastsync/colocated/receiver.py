@@ -20,8 +20,8 @@ from verl_fastsync.chunks import (
     str_to_dtype,
 )
 from verl_fastsync.colocated.channel import HELLO_RESEND_S, EventHook, _Channel, _noop_hook
-from verl_fastsync.colocated.memory import SlotMemory, _device_module, _resolve_memory
-from verl_fastsync.colocated.planner import _EXPERT_STACKED
+from verl_fastsync.colocated.memory import SlotMemory, _resolve_memory
+from verl_fastsync.colocated.planner import is_expert_slice
 from verl_fastsync.colocated.protocol import (
     METRIC_PREFIX,
     SCHEMA_VERSION,
@@ -45,6 +45,7 @@ from verl_fastsync.colocated.slots import (
     _register_atexit,
     _release_receiver,
 )
+from verl_fastsync.io.fence import synchronize_device
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,8 @@ class ColocatedReceiver:
     def _sync_device(self) -> None:
         if self.device_module is not None:
             self.device_module.synchronize()
-        elif self.device.type != "cpu":
-            _device_module(self.device.type).synchronize()
+        else:
+            synchronize_device(self.device)
         self._hook("device_sync", {})
 
     def _attach(self, hello: Hello) -> _ReceiverSlots:
@@ -202,7 +203,7 @@ class ColocatedReceiver:
         weights: list[tuple[str, torch.Tensor]] = []
         merged = copied = 0
         for meta, data in bucket_chunk_views(slot, metas):
-            if self.expert_slice_loader is not None and not meta.is_whole and self._is_expert_slice(meta):
+            if self.expert_slice_loader is not None and not meta.is_whole and is_expert_slice(meta):
                 if assembler.verify and chunk_checksum(data.cpu()) != meta.checksum:
                     raise ChunkCorruptedError(
                         f"tensor {meta.name!r}: chunk at byte {meta.chunk_offset} does not match the "
@@ -227,13 +228,6 @@ class ColocatedReceiver:
                 copied += meta.total_bytes
             weights.extend(done)
         return weights, merged, copied
-
-    @staticmethod
-    def _is_expert_slice(meta: ChunkMeta) -> bool:
-        if len(meta.shape) < 2 or meta.shape[0] <= 1 or not _EXPERT_STACKED.search(meta.name):
-            return False
-        row = meta.total_bytes // meta.shape[0]
-        return row > 0 and meta.chunk_offset % row == 0 and meta.chunk_size % row == 0
 
 
 def _storage_refs(tensor: torch.Tensor) -> int | None:

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from verl_fastsync.chunks import ChunkMeta, copy_bytes
+from verl_fastsync.chunks import Bucket, ChunkMeta
 from verl_fastsync.colocated.channel import EventHook, _Channel, _noop_hook
-from verl_fastsync.colocated.memory import SlotMemory, _device_module, _fence, _resolve_memory, seal_slot
-from verl_fastsync.colocated.planner import Placement, WholeTensorPlanner, _with_checksums
+from verl_fastsync.colocated.memory import SlotMemory, _resolve_memory, seal_slot
+from verl_fastsync.colocated.planner import colocated_planner, with_checksums
 from verl_fastsync.colocated.protocol import (
     ENV_VERIFY,
     METRIC_PREFIX,
@@ -36,6 +36,7 @@ from verl_fastsync.colocated.protocol import (
     colocated_transport_name,
 )
 from verl_fastsync.colocated.slots import _LAST_METRICS, NUM_SLOTS, _sender_slots, _SenderSlots
+from verl_fastsync.io.fence import synchronize_device
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +109,14 @@ class ColocatedSender:
         return _sender_slots(self.zmq_handle, self.transport, self.bucket_size, self._make_memory, mapped)
 
     def _fence_types(self, types: set[str], device_resident: bool) -> None:
+        """Wait for the copies that touched these device types (the injected device module's
+        ``synchronize`` when one was given, else :mod:`verl_fastsync.io.fence`)."""
         if self.device_module is not None:
             if types or device_resident:
-                _fence(self.device_module)
+                self.device_module.synchronize()
         else:
             for device_type in sorted(types):
-                _fence(_device_module(device_type))
+                synchronize_device(torch.device(device_type))
 
     async def async_send_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[Any]
@@ -186,12 +189,11 @@ class _SendRun:
         self.slots = slots
         self.sync_id = uuid.uuid4().hex[:12]
         self.channel = _Channel(owner.zmq_handle, "sender", owner.timeout_s, bind=True)
-        self.planner = WholeTensorPlanner(owner.bucket_size)
+        self.planner = colocated_planner(owner.bucket_size, acquire=self._acquire, on_full=self._on_full)
         self.inflight: dict[int, tuple[int, list[str]]] = {}  # slot -> (seq, tensor names)
         self.seq = 0  # the next bucket to open
-        self.open_slot: int | None = None  # the slot being packed, holding bucket seq - 1
-        self.metas: list[ChunkMeta] = []
-        self.unfenced: set[str] = set()  # device types with copies not yet fenced
+        self.open_device = torch.device("cpu")  # where the bucket being packed lives
+        self.finishing = self.final_sent = False
         self.stats: dict[str, Any] = {"slot_waits": 0, "slot_wait_s": 0.0, "chunked": 0, "buckets": 0}
         self.phase = "hello"
         self.names_in_flight: list[str] = []
@@ -245,61 +247,44 @@ class _SendRun:
     # ------------------------------------------------------------------ packing
 
     def take(self, item: Any) -> None:
-        """Copy one produced tensor's bytes into the slots (sending buckets as they fill), fenced,
-        before returning: the caller then drops its last reference to the tensor."""
+        """Copy one produced tensor's bytes into the slots (the planner sends buckets as they fill)
+        and fence any device copy before returning: the caller then drops its last reference."""
         name, tensor = _pair(item)
         self.names_in_flight = [name]
-        placements = self.planner.place(name, tensor)
+        device = tensor.device
+        self.planner.add(name, tensor)  # copies; keeps no reference
         del tensor
-        placements.reverse()
-        while placements:  # pop: no placement (a view of the tensor) outlives its copy
-            self._copy(placements.pop(), self.slots)
-        if self.unfenced:
-            self.owner._fence_types(self.unfenced, False)
-            self.unfenced.clear()
+        if device.type != "cpu" or self.open_device.type != "cpu":
+            self.owner._fence_types({device.type, self.open_device.type} - {"cpu"}, False)
         self.phase = "plan"
 
-    def _copy(self, p: Placement, slots: _SenderSlots) -> None:
-        if self.open_slot is not None and p.bucket != self.seq - 1:
-            self._send_open(is_last=False)
-        if self.open_slot is None:
-            self._open()
-        slot = slots.tensors[self.open_slot]  # type: ignore[index]
-        self.phase = "pack"
-        meta = p.meta
-        if meta.chunk_size:
-            copy_bytes(slot[meta.bucket_offset : meta.bucket_offset + meta.chunk_size], p.data)
-        for device_type in (p.data.device.type, slot.device.type):
-            if device_type != "cpu":
-                self.unfenced.add(device_type)
-        self.metas.append(meta)
-        if not meta.is_whole and meta.chunk_offset == 0:
-            self.stats["chunked"] += 1
-        if p.closes:
-            self._send_open(is_last=False)
-
-    def _open(self) -> None:
-        slot = self.seq % NUM_SLOTS
+    def _acquire(self, index: int) -> torch.Tensor:
+        """The planner needs bucket ``index``'s buffer: its slot, once the receiver released it."""
+        slot = index % NUM_SLOTS
         if slot in self.inflight:
             self.phase = "wait-slot"
             self._wait_ack(slot)
-        self.open_slot = slot
-        self.metas = []
-        self.hook("pack", {"slot": slot, "seq": self.seq})
-        self.seq += 1
+        self.phase = "pack"
+        self.hook("pack", {"slot": slot, "seq": index})
+        self.seq = index + 1
+        tensor = self.slots.tensors[slot]
+        self.open_device = tensor.device
+        return tensor
 
-    def _send_open(self, is_last: bool) -> None:
-        slot, seq = self.open_slot, self.seq - 1
-        assert slot is not None
+    def _on_full(self, bucket: Bucket) -> None:
+        """A bucket is complete (the planner fenced its copies): hand it to the receiver."""
+        self._send(bucket.index, bucket.metas, is_last=self.finishing)
+
+    def _send(self, seq: int, metas: list[ChunkMeta], is_last: bool) -> None:
+        slot = seq % NUM_SLOTS
         slot_tensor = self.slots.tensors[slot]
-        types = set(self.unfenced)
-        if slot_tensor.device.type != "cpu":
-            types.add(slot_tensor.device.type)
+        types = {slot_tensor.device.type} - {"cpu"}
         self.owner._fence_types(types, bool(getattr(self.slots.memory, "device_resident", False)))
-        self.unfenced.clear()
         self.hook("fence", {"slot": slot, "seq": seq})
-        metas = _with_checksums(self.metas, slot_tensor) if self.owner.verify else self.metas
+        if self.owner.verify:
+            metas = with_checksums(metas, slot_tensor)
         names = [m.name for m in metas]
+        self.stats["chunked"] += sum(1 for m in metas if not m.is_whole and m.chunk_offset == 0)
         self.phase = "send-bucket"
         msg = BucketMsg(
             schema_version=SCHEMA_VERSION,
@@ -313,15 +298,16 @@ class _SendRun:
         self.inflight[slot] = (seq, names)
         self.hook("send", {"slot": slot, "seq": seq, "is_last": is_last})
         self.stats["buckets"] += 1
-        self.open_slot = None
-        self.metas = []
+        self.final_sent = is_last
 
     def finish(self) -> None:
-        """Send the last bucket (an empty one when the sync was empty or the last bucket was
-        sent because it was full), then wait for every ack."""
-        if self.open_slot is None:
-            self._open()
-        self._send_open(is_last=True)
+        """Send the last bucket (an empty one when the sync was empty or its last bucket was sent
+        because it was full), then wait for every ack."""
+        self.finishing = True
+        self.planner.finish()  # the open bucket, if any, goes out through _on_full as the last
+        if not self.final_sent:
+            self._acquire(self.seq)
+            self._send(self.seq - 1, [], is_last=True)
         self.phase = "drain"
         for slot in sorted(self.inflight, key=lambda s: self.inflight[s][0]):
             self._wait_ack(slot)

@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from verl_fastsync.colocated import SCHEMA_VERSION, ColocatedProtocolError, ColocatedReceiver, ColocatedSender
+from verl_fastsync.wire import WireError, check_version
 
 __all__ = [
     "MARKER_NAME",
@@ -73,17 +74,12 @@ def read_pull_request(named_tensors: Iterable[tuple[str, Any]]) -> PullRequest:
         if name != MARKER_NAME:
             continue
         raw = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
-        try:
-            request = msgspec.msgpack.decode(raw.cpu().numpy().tobytes(), type=PullRequest)
-        except msgspec.DecodeError as exc:
-            raise ColocatedProtocolError(
-                f"verl-fastsync SGLang loader: undecodable pull request: {exc}"
-            ) from None
-        if request.schema_version != SCHEMA_VERSION:
-            raise ColocatedProtocolError(
-                f"verl-fastsync SGLang loader: pull request of schema version {request.schema_version}, this "
-                f"worker speaks {SCHEMA_VERSION}; install the same verl-fastsync version on both sides"
-            )
+        data = raw.cpu().numpy().tobytes()
+        try:  # the one version rule of every control message
+            check_version(data, peer="the trainer's pull request", expected=SCHEMA_VERSION)
+            request = msgspec.msgpack.decode(data, type=PullRequest)
+        except (WireError, msgspec.DecodeError) as exc:
+            raise ColocatedProtocolError(f"verl-fastsync SGLang loader: {exc}") from None
         return request
     names = [name for name, _ in items][:4]
     raise ColocatedProtocolError(
