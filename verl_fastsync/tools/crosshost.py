@@ -3,8 +3,10 @@ raw link and the raw library, measured in the same run.
 
 Two simulated hosts (:class:`~verl_fastsync.tools.netns.NamespacePair`: own network namespace,
 hostname and veth address each) run one worker each; host ``a`` sends, host ``b`` receives. Every
-row moves the same payload (random bytes) from ``a`` to ``b``, ``repeats`` times after one
-untimed warm-up, and checks afterwards that ``b`` holds exactly ``a``'s bytes (xxh3 digest).
+row moves the same payload (random bytes) from ``a`` to ``b``, ``repeats`` times in all, spread over
+``rounds`` passes through the rows (each pass with its own untimed warm-up per row, so a load that
+drifts over minutes reaches every row alike), and checks after each pass that ``b`` holds exactly
+``a``'s bytes (xxh3 digest).
 A repeat's seconds run from the sender starting to the receiver holding every byte (both sides
 read the same system-wide monotonic clock).
 
@@ -48,6 +50,9 @@ _HERE = "verl_fastsync.tools.crosshost_peer"
 class CrosshostOptions:
     payload_mib: int = 1024
     repeats: int = 5
+    rounds: int = 2
+    """The rows run one after another ``rounds`` times, each time with a share of ``repeats``
+    (and its own warm-up): a load that changes over minutes then reaches every row alike."""
     bucket_mib: int = 64
     streams: int = 4
     shape_gbit: tuple[float, ...] = (10.0, 25.0)
@@ -58,7 +63,7 @@ class CrosshostOptions:
     """Run only the rows whose label contains this text (and no shaped rows)."""
 
     def check(self) -> None:
-        for key in ("payload_mib", "repeats", "bucket_mib", "streams"):
+        for key in ("payload_mib", "repeats", "rounds", "bucket_mib", "streams"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive int, got {value!r}")
@@ -66,7 +71,9 @@ class CrosshostOptions:
             raise ValueError(f"shape_gbit values must be in (0, 400] Gbit/s, got {self.shape_gbit!r}")
 
 
-QUICK = CrosshostOptions(payload_mib=128, repeats=3, shape_gbit=(10.0,), timeout_s=120.0, quick_rows=True)
+QUICK = CrosshostOptions(
+    payload_mib=128, repeats=3, rounds=1, shape_gbit=(10.0,), timeout_s=120.0, quick_rows=True
+)
 
 # --------------------------------------------------------------------------------------------------
 # driver side
@@ -83,6 +90,7 @@ class _Run:
         self.pair, self.opts = pair, opts
         self.nbytes = opts.payload_mib * MIB
         self.bucket = opts.bucket_mib * MIB
+        self.repeats = opts.repeats  # timed repeats of the current round
         self.a: NetnsWorker | None = None
         self.b: NetnsWorker | None = None
 
@@ -135,7 +143,7 @@ def _timed(sent: dict[str, Any], got: dict[str, Any]) -> list[float]:
 
 
 def _tcp(run: _Run, streams: int) -> tuple[list[float], str]:
-    reps = run.opts.repeats + 1
+    reps = run.repeats + 1
     port = run.call("b", "tcp_listen", addr=run.pair.b.addr, streams=streams)
     sent, got = run.both(
         f"{_HERE}:tcp_send",
@@ -147,7 +155,7 @@ def _tcp(run: _Run, streams: int) -> tuple[list[float], str]:
 
 
 def _raw_gloo(run: _Run) -> tuple[list[float], str]:
-    reps, t = run.opts.repeats + 1, run.opts.timeout_s
+    reps, t = run.repeats + 1, run.opts.timeout_s
     port = run.call("a", "gloo_store", addr=run.pair.a.addr, timeout_s=t)
     kw = {"addr": run.pair.a.addr, "port": port, "nbytes": run.nbytes, "repeats": reps, "timeout_s": t}
     sent, got = run.both(
@@ -159,7 +167,7 @@ def _raw_gloo(run: _Run) -> tuple[list[float], str]:
 def _fastsync(run: _Run, transport: str) -> tuple[list[float], str]:
     common = {"transport": transport, "bucket": run.bucket, "timeout_s": run.opts.timeout_s}
     starts, ends, setups, digests = [], [], [], ("", "")
-    for _ in range(run.opts.repeats + 1):
+    for _ in range(run.repeats + 1):
         t0 = time.monotonic()
         meta_a, meta_b = run.both(
             f"{_HERE}:fs_prepare",
@@ -190,7 +198,7 @@ def _raw_nixl(run: _Run, spin: bool, target_s: float, thread: bool) -> tuple[lis
         import nixl._api  # noqa: F401
     except ImportError as exc:
         raise _NotAvailable(f"nixl is not importable ({exc})") from exc
-    reps, t = run.opts.repeats + 1, run.opts.timeout_s
+    reps, t = run.repeats + 1, run.opts.timeout_s
     peer = run.call("b", "nixl_agent", nbytes=run.nbytes, sender=False, progress_thread=thread)
     mine = run.call("a", "nixl_agent", nbytes=run.nbytes, sender=True, progress_thread=thread)
     sent, got = run.both(
@@ -272,31 +280,48 @@ def run_section(opts: CrosshostOptions) -> list[dict[str, Any]]:
     ]
     if opts.quick_rows:  # the quick run keeps the raw NIXL row configured as fastsync's agent is
         specs = [s for s in specs if s[0] not in (RAW_NIXL_SPIN, RAW_NIXL_THREAD, RAW_NIXL_IDLE)]
+    for gbit in opts.shape_gbit:
+        specs.append(
+            (f"{link[1]}, tc {gbit:g} Gbit/s", "raw", "tcp", (), functools.partial(_shaped, gbit=gbit))
+        )
     specs = [s for s in specs if opts.only is None or opts.only.lower() in s[0].lower()]
     reason = unavailable_reason()
-    rows: list[dict[str, Any]] = []
+    rows: dict[str, dict[str, Any]] = {}
     if reason is not None:
-        rows = [_row(s[0], s[1], s[2], _raise_na(reason), None, nbytes) for s in specs]
+        rows = {s[0]: _row(s[0], s[1], s[2], _raise_na(reason), None, nbytes) for s in specs}
     else:
         with NamespacePair() as pair:
             run = _Run(pair, opts)
             try:
-                for label, kind, transport, _, fn in specs:
-                    rows.append(_row(label, kind, transport, functools.partial(fn, run), run, nbytes))
-                for gbit in opts.shape_gbit if opts.only is None else ():
-                    pair.shape(gbit)
-                    measure = functools.partial(_tcp, run, streams=opts.streams)
-                    row = _row(f"{link[1]}, tc {gbit:g} Gbit/s", "raw", "tcp", measure, run, nbytes)
-                    row["note"] += f"; tc tbf {gbit:g} Gbit/s = {gbit / 8:.2f} GB/s on both veth ends"
-                    rows.append(row)
-                pair.shape(None)
+                for rnd in range(opts.rounds):
+                    run.repeats = opts.repeats // opts.rounds + (rnd < opts.repeats % opts.rounds)
+                    for label, kind, transport, _, fn in specs if run.repeats else ():
+                        row = _row(label, kind, transport, functools.partial(fn, run), run, nbytes)
+                        first = rows.setdefault(label, row)
+                        if first is not row and first["status"] == "ok":
+                            first["seconds"] += row["seconds"]
+                            first["status"] = row["status"]
             finally:
                 run.drop()
-    median = {r["row"]: statistics.median(r["seconds"]) for r in rows if r["status"] == "ok" and r["seconds"]}
-    for row, spec in zip(rows, specs, strict=False):
-        measured = [c for c in spec[3] if c in median]
-        row["baseline"] = min(measured, key=median.__getitem__) if measured else (spec[3] or (None,))[0]
-    return rows
+    median = {
+        k: statistics.median(r["seconds"]) for k, r in rows.items() if r["status"] == "ok" and r["seconds"]
+    }
+    for label, *_, candidates, _fn in specs:
+        measured = [c for c in candidates if c in median]
+        rows[label]["baseline"] = (
+            min(measured, key=median.__getitem__) if measured else (candidates or (None,))[0]
+        )
+    return list(rows.values())
+
+
+def _shaped(run: _Run, gbit: float) -> tuple[list[float], str]:
+    """The raw link under ``tc`` token-bucket shaping of both veth ends."""
+    run.pair.shape(gbit)
+    try:
+        seconds, note = _tcp(run, streams=run.opts.streams)
+    finally:
+        run.pair.shape(None)
+    return seconds, f"{note}; tc tbf {gbit:g} Gbit/s = {gbit / 8:.2f} GB/s on both veth ends"
 
 
 def _raise_na(reason: str) -> Callable[[], tuple[list[float], str]]:
@@ -335,12 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="128 MiB, 3 repeats, one shaped link row")
     parser.add_argument("--payload-mib", type=int)
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--rounds", type=int, help="run the rows this many times, sharing the repeats")
     parser.add_argument("--bucket-mib", type=int)
     parser.add_argument("--only", help="only the rows whose label contains this text")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     opts = CrosshostOptions(**vars(QUICK)) if args.quick else CrosshostOptions()
-    for key in ("payload_mib", "repeats", "bucket_mib", "only"):
+    for key in ("payload_mib", "repeats", "rounds", "bucket_mib", "only"):
         if getattr(args, key) is not None:
             setattr(opts, key, getattr(args, key))
     try:
