@@ -1,6 +1,6 @@
 """The zmq control protocol shared by the ``shm``, ``nixl`` and ``nccl`` engine transports.
 
-:class:`ControlledTransport` is a :class:`~verl_fastsync.transports.base.BufferedTransport` whose
+:class:`ControlledTransport` is a :class:`~verl_fastsync.transports.buffered.BufferedTransport` whose
 control messages (:mod:`verl_fastsync.wire`) travel over one
 :class:`~verl_fastsync.io.control.ControlChannel`: trainer rank 0 binds a ROUTER in :meth:`prepare`
 (``ipc://`` when :meth:`_control_host` is ``None``, else ``tcp://``), each rollout rank connects a
@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 import zmq
 
 from verl_fastsync.io.control import ControlChannel
-from verl_fastsync.transports.base import BufferedTransport, TransportError
+from verl_fastsync.transports.base import TransportError
+from verl_fastsync.transports.buffered import BufferedTransport
 from verl_fastsync.wire import (
     Abort,
     Attached,

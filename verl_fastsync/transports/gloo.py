@@ -22,12 +22,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from verl_fastsync.transports.base import (
-    BufferedTransport,
-    TransportError,
-    allocate_bucket_buffers,
-    default_host,
-)
+from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers, default_host
+from verl_fastsync.transports.buffered import BufferedTransport
 from verl_fastsync.wire import (
     WIRE_SCHEMA_VERSION,
     Abort,

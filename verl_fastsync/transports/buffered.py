@@ -1,0 +1,169 @@
+"""The double-buffered engine transport base class third parties extend, and its receiver half.
+
+:class:`BufferedTransport` = :class:`~verl_fastsync.transports.lifecycle.TransportCore` (lifecycle)
++ :class:`~verl_fastsync.transports.sending.SendingTransport` (the sender) + the receiver here. It
+implements the double buffering (bucket ``k+1`` is packed while bucket ``k`` moves; two bucket
+buffers per side), the timeouts, the verify checksums, the abort path and the statistics once; a
+concrete transport only supplies the buffers and how a bucket moves.
+
+Receiver contract: by default (``TransportOptions.zero_copy=False``) every yielded tensor is its own
+memory and stays valid as long as the consumer holds it. With ``zero_copy=True`` a tensor carried
+whole in one chunk is a view into the receive bucket, valid only until the consumer asks for the
+next tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from abc import abstractmethod
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from verl_fastsync.chunks import Allocate, Assembler, bucket_chunk_views
+from verl_fastsync.transports.base import TransferStats, TransportError
+from verl_fastsync.transports.lifecycle import InFlight
+from verl_fastsync.transports.sending import SendingTransport
+from verl_fastsync.wire import Abort, BucketReady, SyncEnd
+
+__all__ = ["BufferedTransport"]
+
+
+class BufferedTransport(SendingTransport):
+    """Double-buffered engine transport: subclasses provide buffers and movement primitives.
+
+    Sender primitives: :meth:`_sender_buffer`, :meth:`_wait_slot_free`, :meth:`_post_bucket`,
+    :meth:`_post_end`, :meth:`_post_abort`. Receiver primitives: :meth:`_receiver_buffer`,
+    :meth:`_recv_next` (blocking; runs in a worker thread), :meth:`_release_slot`. Plus
+    :meth:`_connect` / :meth:`_close` for the lifecycle. Set ``prefetch = True`` when
+    :meth:`_recv_next` itself moves the data (e.g. a collective) so bucket ``k+1`` arrives while the
+    consumer handles bucket ``k``; it must then not share a non-thread-safe handle with
+    :meth:`_release_slot`.
+    """
+
+    @abstractmethod
+    def _receiver_buffer(self, slot: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _recv_next(self) -> BucketReady | SyncEnd:
+        """Block (at most ``timeout_s``) for the next bucket (data in its slot) or the end.
+        Raises :class:`PeerAbortedError` on an :class:`Abort`."""
+
+    @abstractmethod
+    def _release_slot(self, slot: int, bucket_index: int) -> None:
+        """The consumer is done with ``slot``; tell the sender if it needs to know."""
+
+    def _receive_done(self) -> None:
+        """Hook run after the end message (e.g. a final ack)."""
+
+    def _interrupt_receive(self) -> bool:
+        """Make a running :meth:`_recv_next` return promptly (it may raise); True when supported.
+        Called on the receive error path so that no handle is closed while the worker thread uses it."""
+        return False
+
+    def _destination_allocator(self) -> Allocate | None:
+        """Where received tensors are allocated (``None``: ``torch.empty``)."""
+        return None
+
+    async def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        if self.rank is None or self.rank < 1:
+            raise TransportError(
+                f"{self.name} transport: receive() on rank {self.rank}; only rollout ranks receive "
+                "(call init_process_group first)"
+            )
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastsync-{self.name}")
+        loop = asyncio.get_running_loop()
+        assembler = Assembler(
+            self.options.device,
+            zero_copy=self.options.zero_copy,
+            verify=self.options.verify,
+            allocate=self._destination_allocator(),
+        )
+        stats = TransferStats(
+            role="receiver", bucket_size=self.bucket_size, buffer_bytes=self._buffer_bytes()
+        )
+        self._stats = stats
+        start = time.perf_counter()
+        executor = self._executor
+        pending: concurrent.futures.Future[BucketReady | SyncEnd] | None = None
+        expected = 0
+        try:
+            self.inflight = InFlight(phase="wait-bucket", bucket=0)
+            pending = executor.submit(self._recv_next)
+            while True:
+                message = await asyncio.wrap_future(pending, loop=loop)
+                pending = None
+                if isinstance(message, SyncEnd):
+                    self.inflight.phase = "end"
+                    assembler.finish()
+                    if (message.num_buckets, message.num_tensors, message.total_bytes) != (
+                        stats.buckets,
+                        assembler.num_tensors,
+                        stats.bytes,
+                    ):
+                        raise TransportError(
+                            f"{self.name} transport, rollout rank {self.rank}: sender reports "
+                            f"{message.num_buckets} buckets / {message.num_tensors} tensors / "
+                            f"{message.total_bytes} bytes, received {stats.buckets} / "
+                            f"{assembler.num_tensors} / {stats.bytes}"
+                        )
+                    self._receive_done()
+                    break
+                if message.bucket_index != expected:
+                    raise TransportError(
+                        f"{self.name} transport, rollout rank {self.rank}: expected bucket {expected}, "
+                        f"got bucket {message.bucket_index}"
+                    )
+                expected += 1
+                if self.prefetch:
+                    self.inflight.bucket = message.bucket_index + 1
+                    pending = executor.submit(self._recv_next)
+                buffer = self._receiver_buffer(message.slot)
+                self._device_sync(buffer)
+                self.inflight.phase = "assemble"
+                self.inflight.bucket = message.bucket_index
+                for meta, data in bucket_chunk_views(buffer[: message.nbytes], message.chunks):
+                    self.inflight.tensor = meta.name
+                    stats.chunks += 1
+                    stats.bytes += meta.chunk_size
+                    completed = assembler.feed(meta, data)
+                    while completed:
+                        item = completed.pop()
+                        self.inflight.tensor = None
+                        self.inflight.last_tensor = item[0]
+                        self.inflight.phase = "consumer"
+                        yield item
+                        # drop our reference: the consumer alone decides how long a tensor lives
+                        del item
+                        self.inflight.phase = "assemble"
+                    if assembler.incomplete:
+                        self.inflight.tensor = assembler.incomplete[0]
+                stats.buckets += 1
+                stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
+                self._device_sync(buffer)  # non-blocking copies out of the slot are done
+                self._release_slot(message.slot, message.bucket_index)
+                if pending is None:
+                    self.inflight.phase = "wait-bucket"
+                    self.inflight.bucket = expected
+                    pending = executor.submit(self._recv_next)
+                else:
+                    self.inflight.phase = "wait-bucket"
+        except BaseException as exc:
+            try:
+                self._post_abort(Abort(reason=f"{type(exc).__name__}: {exc}", rank=self.rank))
+            except Exception:  # pragma: no cover - best effort
+                pass
+            if pending is not None and not pending.cancel():
+                # _recv_next is running on the worker thread: stop it before its handles close
+                if self._interrupt_receive():
+                    concurrent.futures.wait([pending], timeout=self.options.timeout_s)
+            self._safe_close()
+            raise
+        stats.tensors = assembler.num_tensors
+        stats.seconds = time.perf_counter() - start
+        stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
+        self.inflight = InFlight()

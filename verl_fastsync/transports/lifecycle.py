@@ -1,0 +1,172 @@
+"""The lifecycle half of :class:`~verl_fastsync.transports.buffered.BufferedTransport`: rank and
+bucket bookkeeping, ``init_process_group`` / ``finalize`` / ``release``, what a side is doing right
+now (:class:`InFlight`, for error messages) and the error constructors. No data moves here; the sender
+side is :mod:`verl_fastsync.transports.sending`, the receiver side
+:mod:`verl_fastsync.transports.buffered`.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from verl_fastsync.chunks import validate_bucket_size
+from verl_fastsync.transports.base import (
+    SENDER_RANK,
+    EngineTransport,
+    PeerAbortedError,
+    TransferStats,
+    TransportOptions,
+    TransportTimeoutError,
+    base_topology,
+)
+
+__all__ = ["InFlight", "TransportCore"]
+
+
+@dataclass
+class InFlight:
+    """What a side is doing right now, for error messages."""
+
+    phase: str = "idle"
+    bucket: int | None = None
+    tensor: str | None = None
+    last_tensor: str | None = None
+
+    def describe(self) -> str:
+        bucket = "none" if self.bucket is None else str(self.bucket)
+        if self.tensor is not None:
+            tensor = repr(self.tensor)
+        elif self.last_tensor is not None:
+            tensor = f"none (last complete: {self.last_tensor!r})"
+        else:
+            tensor = "none"
+        return f"phase {self.phase!r}, bucket {bucket}, tensor in flight {tensor}"
+
+
+class TransportCore(EngineTransport):
+    """Lifecycle and bookkeeping shared by both sides of a double-buffered engine transport.
+
+    Subclasses provide :meth:`_connect` / :meth:`_close` (and :meth:`_end_sync` when they keep
+    resources from sync to sync). Set ``prefetch = True`` when ``_recv_next`` itself moves the data
+    (e.g. a collective) so bucket ``k+1`` arrives while the consumer handles bucket ``k``; it must
+    then not share a non-thread-safe handle with ``_release_slot``.
+    """
+
+    prefetch: ClassVar[bool] = False
+
+    def __init__(self, options: TransportOptions | None = None) -> None:
+        super().__init__(options)
+        self.rank: int | None = None
+        self.world_size = 0
+        self.role = "?"
+        self.bucket_size = 0
+        self.inflight = InFlight()
+        self._stats: TransferStats | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def build_topology(
+        cls, actor_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        actor, rollout = base_topology(actor_world_size, rollout_world_size, metadata)
+        extra = cls._topology_extra(metadata[:actor_world_size], metadata[actor_world_size:])
+        for key, value in extra.items():
+            actor[key] = [value] * actor_world_size
+            rollout[key] = [value] * rollout_world_size
+        return actor, rollout
+
+    @classmethod
+    def _topology_extra(
+        cls, actor_metadata: list[dict[str, Any]], rollout_metadata: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Values every rank gets (e.g. the master endpoint from ``actor_metadata[0]``)."""
+        return {}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        rank = kwargs.pop("rank")
+        world_size = kwargs.pop("world_size")
+        role = kwargs.pop("role", "trainer" if rank <= 0 else "rollout")
+        bucket_size = kwargs.pop("bucket_size", None)
+        self.rank, self.world_size, self.role = int(rank), int(world_size), str(role)
+        if self.rank < 0:
+            return
+        self.bucket_size = validate_bucket_size(bucket_size)
+        self.inflight = InFlight(phase="init_process_group")
+        if self.rank != SENDER_RANK:
+            # a receiver whose previous sync was never finalized starts with a fresh channel; the
+            # sender's endpoints were opened by this sync's prepare()
+            self._safe_end_sync()
+        try:
+            self._connect(**kwargs)
+        except BaseException:
+            self._safe_close()
+            raise
+        self.inflight = InFlight()
+
+    def finalize(self) -> None:
+        """End of one sync (verl calls it after every sync): close what is per sync. Resources a
+        transport keeps for the next sync (see :meth:`_end_sync`) stay; a failed sync already freed
+        everything."""
+        self._safe_end_sync()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        self.rank = None
+
+    def release(self) -> None:
+        """Free everything now, including what a transport keeps between syncs (idempotent)."""
+        self.finalize()
+        self._safe_close()
+
+    def _end_sync(self) -> None:
+        """What ``finalize`` closes; default: everything (:meth:`_close`). A transport that keeps
+        buffers from sync to sync overrides this to close only its per-sync endpoints."""
+        self._close()
+
+    def _safe_end_sync(self) -> None:
+        try:
+            self._end_sync()
+        except Exception:  # pragma: no cover - cleanup is best effort
+            pass
+
+    def _safe_close(self) -> None:
+        try:
+            self._close()
+        except Exception:  # pragma: no cover - cleanup is best effort
+            pass
+
+    @abstractmethod
+    def _connect(self, **kwargs: Any) -> None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    @property
+    def last_stats(self) -> TransferStats | None:
+        return self._stats
+
+    @property
+    def receivers(self) -> int:
+        return self.world_size - 1
+
+    def _buffer_bytes(self) -> int:
+        """Bytes of bucket buffers this side allocated (default: two buckets)."""
+        return 2 * self.bucket_size
+
+    def _timeout_error(self, peer: str, detail: str = "") -> TransportTimeoutError:
+        extra = f" ({detail})" if detail else ""
+        return TransportTimeoutError(
+            f"{self.name} transport, {self.role} rank {self.rank}: timed out after "
+            f"{self.options.timeout_s:g}s waiting for {peer}{extra}; {self.inflight.describe()}"
+        )
+
+    def _abort_error(self, peer: str, reason: str) -> PeerAbortedError:
+        return PeerAbortedError(
+            f"{self.name} transport, {self.role} rank {self.rank}: {peer} aborted the sync: {reason}; "
+            f"{self.inflight.describe()}"
+        )

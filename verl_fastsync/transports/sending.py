@@ -1,0 +1,166 @@
+"""The sender half of :class:`~verl_fastsync.transports.buffered.BufferedTransport`.
+
+:meth:`SendingTransport.send` plans with :class:`~verl_fastsync.chunks.BucketPlanner` straight into
+the transport's slot buffers: each tensor's bytes are in a bucket (or on a fenced device copy) before
+the producer is asked for the next tensor, and no reference to a produced tensor is kept. Every
+device that took part in the copies into a bucket is synchronized before the bucket is checksummed
+or posted. A concrete transport supplies the primitives: :meth:`_sender_buffer`,
+:meth:`_wait_slot_free`, :meth:`_post_bucket`, :meth:`_post_end`, :meth:`_post_abort`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+from typing import Any
+
+import msgspec
+import torch
+
+from verl_fastsync.chunks import (
+    AlignSpec,
+    Bucket,
+    BucketPlanner,
+    ChunkMeta,
+    chunk_checksum,
+    unpack_item,
+)
+from verl_fastsync.io.fence import synchronize_device
+from verl_fastsync.transports.base import SENDER_RANK, TransferStats, TransportError
+from verl_fastsync.transports.lifecycle import InFlight, TransportCore
+from verl_fastsync.wire import Abort, BucketReady, SyncEnd
+
+__all__ = ["SendingTransport"]
+
+
+class SendingTransport(TransportCore):
+    """The sender side of a double-buffered engine transport (see the module docstring)."""
+
+    @abstractmethod
+    def _sender_buffer(self, slot: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _wait_slot_free(self, slot: int) -> None:
+        """Block (at most ``timeout_s``) until every receiver is done with ``slot``."""
+
+    @abstractmethod
+    def _post_bucket(self, slot: int, message: BucketReady) -> None:
+        """Start moving the packed bucket in ``slot`` to every receiver."""
+
+    @abstractmethod
+    def _post_end(self, message: SyncEnd) -> None: ...
+
+    @abstractmethod
+    def _post_abort(self, message: Abort) -> None:
+        """Best effort: tell the receivers this sync failed (must not block past the timeout)."""
+
+    def _device_sync(self, buffer: torch.Tensor) -> None:
+        """Make device copies into/out of ``buffer`` complete before it is handed over."""
+        synchronize_device(buffer.device)
+
+    async def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        *,
+        align: AlignSpec = None,
+    ) -> TransferStats:
+        if self.rank is None or self.rank != SENDER_RANK:
+            raise TransportError(
+                f"{self.name} transport: send() on rank {self.rank}; only trainer rank 0 sends "
+                "(call init_process_group first)"
+            )
+        stats = TransferStats(role="sender", bucket_size=self.bucket_size, buffer_bytes=self._buffer_bytes())
+        stats.peak_extra_bytes = stats.buffer_bytes
+        self._stats = stats
+        sync_id = uuid.uuid4().hex
+        tensors: set[int] = set()
+        start = time.perf_counter()
+
+        def acquire(index: int) -> torch.Tensor:
+            slot = index % 2
+            self.inflight.phase = "wait-slot-free"
+            self.inflight.bucket = index
+            self._wait_slot_free(slot)
+            self.inflight.phase = "pack"
+            return self._sender_buffer(slot)
+
+        def ship(bucket: Bucket) -> None:
+            assert bucket.buffer is not None
+            buffer = bucket.buffer
+            metas: list[ChunkMeta] = bucket.metas
+            if self.options.verify:
+                metas = [
+                    msgspec.structs.replace(
+                        m,
+                        checksum=chunk_checksum(buffer[m.bucket_offset : m.bucket_offset + m.chunk_size]),
+                    )
+                    for m in metas
+                ]
+            self.inflight.phase = "post-bucket"
+            self.inflight.bucket = bucket.index
+            self._post_bucket(
+                bucket.index % 2,
+                BucketReady(
+                    sync_id=sync_id,
+                    bucket_index=bucket.index,
+                    slot=bucket.index % 2,
+                    nbytes=bucket.nbytes,
+                    chunks=metas,
+                ),
+            )
+            stats.buckets += 1
+            stats.chunks += len(metas)
+            stats.bytes += sum(m.chunk_size for m in metas)
+            tensors.update(m.tensor_index for m in metas)
+            if metas:
+                self.inflight.last_tensor = metas[-1].name
+            self.inflight.phase = "pack"
+
+        planner = BucketPlanner(self.bucket_size, align=align, acquire=acquire, on_full=ship)
+        self.inflight = InFlight(phase="pack", bucket=0)
+        try:
+            async for item in _aiter(named_tensors):
+                name, tensor = unpack_item(item)
+                del item
+                self.inflight.tensor = name if isinstance(name, str) else None
+                planner.add(name, tensor)
+                del tensor  # the bytes are ours now: keep nothing of the producer's
+                self.inflight.last_tensor, self.inflight.tensor = self.inflight.tensor, None
+            planner.finish()
+            self.inflight = InFlight(phase="drain", last_tensor=self.inflight.last_tensor)
+            for slot in (0, 1):
+                self._wait_slot_free(slot)
+            stats.tensors = len(tensors)
+            self.inflight.phase = "end"
+            self._post_end(
+                SyncEnd(
+                    sync_id=sync_id,
+                    num_buckets=stats.buckets,
+                    num_tensors=stats.tensors,
+                    total_bytes=stats.bytes,
+                )
+            )
+        except BaseException as exc:
+            try:
+                self._post_abort(Abort(reason=f"{type(exc).__name__}: {exc}", rank=self.rank))
+            finally:
+                self._safe_close()
+            raise
+        stats.seconds = time.perf_counter() - start
+        self.inflight = InFlight()
+        return stats
+
+
+async def _aiter(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncGenerator[Any, None]:
+    """One async iterator over a sync or async iterable that holds no reference to an item once the
+    consumer asks for the next one."""
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+            del item
+    else:
+        for item in items:
+            yield item
+            del item
