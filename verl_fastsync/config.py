@@ -23,6 +23,19 @@ from typing import Any
 
 KEY_PREFIX = "actor_rollout_ref.rollout.custom.fastsync"
 
+DEFAULT_TIMEOUT_S = 600.0
+"""Default limit of one blocking wait of a sync (seconds), on every path (generous: a vLLM worker may be
+slow to start receiving)."""
+
+# The environment variables that carry the config to processes that never see it (vLLM's workers);
+# they reach every Ray actor through ``+ray_kwargs.ray_init.runtime_env.env_vars``.
+ENV_COLOCATED = "VERL_FASTSYNC_COLOCATED"
+"""Per-process switch of the colocated transfer (see :mod:`verl_fastsync.colocated`)."""
+ENV_COLOCATED_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
+"""Override of the default timeout (seconds) of every blocking wait of the colocated transfer."""
+ENV_COLOCATED_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
+"""``1``: the colocated sender attaches an xxhash checksum to every chunk and the receiver checks it."""
+
 
 class FastsyncConfigError(ValueError):
     """An invalid ``custom.fastsync`` value; the message names key, value and what is allowed."""
@@ -45,7 +58,7 @@ class FastsyncConfig:
     """Plugin names to block (entry-point names, or ``fastsync-cleanup`` / ``fastsync-transports``);
     processes that never see the config read ``VERL_FASTSYNC_DISABLED_PLUGINS``, which must hold them
     too (the adapter checks it at worker start)."""
-    timeout_s: float = 600.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     """Upper bound of every blocking wait of the colocated transfer; vLLM's workers (the receivers)
     read it from ``VERL_FASTSYNC_COLOCATED_TIMEOUT_S``, which the adapter checks agrees."""
     colocated_transport: str | None = None
@@ -182,7 +195,7 @@ _RESERVED_ENGINE_KEYS = {
     "\"got multiple values for keyword argument 'bucket_size'\"; use bucket_bytes (e.g. bucket_bytes=64MiB)",
     "is_master": "verl passes is_master= itself",
 }
-DEFAULT_ENGINE_TIMEOUT_S = 600.0
+DEFAULT_ENGINE_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 class EngineKwargsError(FastsyncConfigError, TypeError):
