@@ -191,8 +191,8 @@ ENGINE_KEYS = ("transport", "bucket_bytes", "timeout_s", "verify", "device", "ze
 """The keys of ``engine_kwargs.fastsync`` every engine transport accepts (a third-party transport may
 declare more through ``engine_options``, see :func:`verl_fastsync.hookspecs.weight_transport`)."""
 _RESERVED_ENGINE_KEYS = {
-    "bucket_size": "verl passes bucket_size= (update_weights_bucket_megabytes) itself; use bucket_bytes "
-    "(e.g. bucket_bytes=64MiB)",
+    "bucket_size": "verl passes bucket_size= (update_weights_bucket_megabytes) itself and would fail with "
+    "\"got multiple values for keyword argument 'bucket_size'\"; use bucket_bytes (e.g. bucket_bytes=64MiB)",
     "is_master": "verl passes is_master= itself",
 }
 DEFAULT_ENGINE_TIMEOUT_S = DEFAULT_TIMEOUT_S
@@ -251,7 +251,7 @@ class EngineSettings:
     timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S
     verify: bool = False
     device: str = "cpu"
-    zero_copy: bool = True
+    zero_copy: bool = False
     align_experts: bool = False
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The selected transport's own declared options (``engine_options``), validated."""
@@ -317,3 +317,22 @@ def parse_engine_kwargs(raw: Mapping[str, Any] | None, registry: Any = None) -> 
         except (ValueError, TypeError) as exc:
             raise EngineKwargsError(str(exc)) from exc
     return EngineSettings(**values, extra=extra)
+
+
+def engine_bucket_size(settings: EngineSettings, verl_bucket_size: object) -> int | None:
+    """The engine's explicit bucket size in bytes: ``bucket_bytes``, else verl's ``bucket_size``
+    (``update_weights_bucket_megabytes`` << 20); None for ``bucket_bytes=auto``."""
+    if settings.bucket_auto:
+        return None
+    if settings.bucket_bytes is not None:
+        return settings.bucket_bytes
+    key = "checkpoint_engine.update_weights_bucket_megabytes"
+    if isinstance(verl_bucket_size, str) or verl_bucket_size is None:
+        raise EngineKwargsError(f"{key}: bucket_size={verl_bucket_size!r} is not a positive number of bytes")
+    try:
+        size = parse_bucket_bytes(verl_bucket_size, key)
+    except ValueError as exc:
+        raise EngineKwargsError(str(exc)) from exc
+    if size is None:  # pragma: no cover - a non-string is never "auto"
+        raise EngineKwargsError(f"{key}: bucket_size={verl_bucket_size!r} is not a positive number of bytes")
+    return size

@@ -48,7 +48,7 @@ import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -137,6 +137,8 @@ class TransportOptions:
     only until the next item is requested from :meth:`EngineTransport.receive` (clone to keep)."""
     host: str | None = None
     """Address to bind network endpoints on (trainer rank 0); default: the transport's choice."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """The transport's own ``engine_kwargs.fastsync`` options (its ``engine_options``), validated."""
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
