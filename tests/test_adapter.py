@@ -25,7 +25,7 @@ from _verl_fakes import (
 import verl_fastsync
 from verl_fastsync import plugins
 from verl_fastsync.config import FastsyncConfigError
-from verl_fastsync.verl import adapter, importhook
+from verl_fastsync.verl import adapter, importhook, metrics, startup
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(120)]
 
@@ -56,8 +56,8 @@ def sync(ew: Any, monkeypatch: pytest.MonkeyPatch, overrides: list[str], stock: 
 
 
 def test_patched_on_import(ew: Any) -> None:
-    assert getattr(ew.ActorRolloutRefWorker.update_weights, adapter._MARK)
-    assert getattr(ew.ActorRolloutRefWorker.__init__, adapter._MARK)
+    assert getattr(ew.ActorRolloutRefWorker.update_weights, importhook.MARK)
+    assert getattr(ew.ActorRolloutRefWorker.__init__, importhook.MARK)
     # verl's dispatch metadata survives the wrapper
     original = ew.ActorRolloutRefWorker.update_weights.__wrapped__
     assert vars(original).keys() - {"__wrapped__"} <= vars(ew.ActorRolloutRefWorker.update_weights).keys()
@@ -235,7 +235,7 @@ def test_legacy_fsdp_rollout_mode(monkeypatch: pytest.MonkeyPatch, verl_version:
     )
     if fsdp is None or not hasattr(fsdp.ActorRolloutRefWorker, "rollout_mode"):
         pytest.skip(f"verl {verl_version} has no legacy rollout_mode (0.7.1 only)")
-    assert getattr(fsdp.ActorRolloutRefWorker.rollout_mode, adapter._MARK)
+    assert getattr(fsdp.ActorRolloutRefWorker.rollout_mode, importhook.MARK)
     stub_gpu_only(monkeypatch, fsdp)
     monkeypatch.setattr(fsdp, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(fsdp, "convert_weight_keys", lambda params, model: params)
@@ -339,7 +339,7 @@ def test_colocated_switch_must_agree(config: dict[str, Any], env: dict[str, str]
         pytest.skip("needs a host without CUDA")
     parsed = parse_fastsync_config(config)
     if error is None:
-        adapter.check_colocated_switch(parsed, env)
+        startup.check_colocated_switch(parsed, env)
         if parsed.enable and parsed.colocated_transport:
             # this process sends: the named transport and the config's timeout, not setdefault
             assert env["VERL_FASTSYNC_COLOCATED"] == parsed.colocated_transport
@@ -347,7 +347,7 @@ def test_colocated_switch_must_agree(config: dict[str, Any], env: dict[str, str]
             assert env.get("VERL_FASTSYNC_COLOCATED_VERIFY") == ("1" if parsed.verify else None)
     else:
         with pytest.raises(FastsyncConfigError) as info:
-            adapter.check_colocated_switch(parsed, env)
+            startup.check_colocated_switch(parsed, env)
         assert error in str(info.value)
 
 
@@ -420,8 +420,8 @@ def test_metrics_reach_the_step_metrics(ew: Any, monkeypatch: pytest.MonkeyPatch
     import verl.checkpoint_engine.base as base
     from verl.utils.tracking import Tracking
 
-    assert getattr(base.CheckpointEngineManager.__init__, adapter._MARK)
-    assert getattr(Tracking.log, adapter._MARK)
+    assert getattr(base.CheckpointEngineManager.__init__, importhook.MARK)
+    assert getattr(Tracking.log, importhook.MARK)
     events = Events()
     install_recorders(monkeypatch, events, FakeDevice(events))
     workers = [engine_worker(ew, compose_config(fastsync_overrides(enable=True)), events) for _ in range(2)]
@@ -433,7 +433,7 @@ def test_metrics_reach_the_step_metrics(ew: Any, monkeypatch: pytest.MonkeyPatch
             ]
 
     group = Group()
-    adapter._capture_worker_group(group)
+    metrics.capture_worker_group(group)
     results = group.update_weights(global_steps=1)
     assert all(r["fastsync/pre_resume_cleanup/gc_ran"] == 0.0 for r in results)
     logged: list[dict[str, Any]] = []
@@ -453,7 +453,7 @@ def test_metrics_reach_the_step_metrics(ew: Any, monkeypatch: pytest.MonkeyPatch
 
 
 def test_merge_rank_metrics_means_numbers_only() -> None:
-    merged = adapter.merge_rank_metrics(
+    merged = metrics.merge_rank_metrics(
         [{"fastsync/a": 1.0, "other": 5, "fastsync/b": "x"}, {"fastsync/a": 3}, None, True]
     )
     assert merged == {"fastsync/a": 2.0}

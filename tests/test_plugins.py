@@ -151,6 +151,19 @@ def test_blocking_builtin_removes_its_names_and_says_so() -> None:
         plugins.select_cleanup(pm, "pre_resume_cleanup", "light")
 
 
+def test_blocked_name_is_reported_as_blocked_not_unknown() -> None:
+    reg = plugins.Registry(plugins.get_plugin_manager(blocked=[plugins.BUILTIN_TRANSPORTS]))
+    with pytest.raises(plugins.UnknownPluginNameError) as info:
+        reg.transport("engine", "gloo", key="k")
+    assert str(info.value).startswith(
+        "k='gloo': engine transport blocked by disabled_plugins (provided by plugin 'fastsync-transports', "
+        f"{plugins.BUILTIN_DISTRIBUTION}); available: (none registered)"
+    )
+    # a name no plugin provides, blocked or not, stays unknown
+    with pytest.raises(plugins.UnknownPluginNameError, match="k='rdma': unknown engine transport"):
+        reg.transport("engine", "rdma", key="k")
+
+
 def test_block_list_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(plugins.ENV_DISABLED, " fastsync-transports ,, other")
     assert plugins.blocked_from_env() == ("fastsync-transports", "other")

@@ -78,5 +78,6 @@ def test_readme_third_party_package_works_verbatim(tmp_path: Path) -> None:
         [sys.executable, "-c", USE], env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode != 0
-    assert "pre_resume_cleanup='twice': unknown cleanup policy" in out.stderr
+    assert "pre_resume_cleanup='twice': cleanup policy blocked by disabled_plugins" in out.stderr
+    assert "(provided by plugin 'twice', fastsync-twice 0.1.0)" in out.stderr
     assert "(blocked by disabled_plugins: twice)" in out.stderr

@@ -23,6 +23,19 @@ from typing import Any
 
 KEY_PREFIX = "actor_rollout_ref.rollout.custom.fastsync"
 
+DEFAULT_TIMEOUT_S = 600.0
+"""Default limit of one blocking wait of a sync (seconds), on every path (generous: a vLLM worker may be
+slow to start receiving)."""
+
+# The environment variables that carry the config to processes that never see it (vLLM's workers);
+# they reach every Ray actor through ``+ray_kwargs.ray_init.runtime_env.env_vars``.
+ENV_COLOCATED = "VERL_FASTSYNC_COLOCATED"
+"""Per-process switch of the colocated transfer (see :mod:`verl_fastsync.colocated`)."""
+ENV_COLOCATED_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
+"""Override of the default timeout (seconds) of every blocking wait of the colocated transfer."""
+ENV_COLOCATED_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
+"""``1``: the colocated sender attaches an xxhash checksum to every chunk and the receiver checks it."""
+
 
 class FastsyncConfigError(ValueError):
     """An invalid ``custom.fastsync`` value; the message names key, value and what is allowed."""
@@ -45,7 +58,7 @@ class FastsyncConfig:
     """Plugin names to block (entry-point names, or ``fastsync-cleanup`` / ``fastsync-transports``);
     processes that never see the config read ``VERL_FASTSYNC_DISABLED_PLUGINS``, which must hold them
     too (the adapter checks it at worker start)."""
-    timeout_s: float = 600.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     """Upper bound of every blocking wait of the colocated transfer; vLLM's workers (the receivers)
     read it from ``VERL_FASTSYNC_COLOCATED_TIMEOUT_S``, which the adapter checks agrees."""
     colocated_transport: str | None = None
@@ -178,11 +191,11 @@ ENGINE_KEYS = ("transport", "bucket_bytes", "timeout_s", "verify", "device", "ze
 """The keys of ``engine_kwargs.fastsync`` every engine transport accepts (a third-party transport may
 declare more through ``engine_options``, see :func:`verl_fastsync.hookspecs.weight_transport`)."""
 _RESERVED_ENGINE_KEYS = {
-    "bucket_size": "verl passes bucket_size= (update_weights_bucket_megabytes) itself; use bucket_bytes "
-    "(e.g. bucket_bytes=64MiB)",
+    "bucket_size": "verl passes bucket_size= (update_weights_bucket_megabytes) itself and would fail with "
+    "\"got multiple values for keyword argument 'bucket_size'\"; use bucket_bytes (e.g. bucket_bytes=64MiB)",
     "is_master": "verl passes is_master= itself",
 }
-DEFAULT_ENGINE_TIMEOUT_S = 600.0
+DEFAULT_ENGINE_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 class EngineKwargsError(FastsyncConfigError, TypeError):
@@ -238,7 +251,7 @@ class EngineSettings:
     timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S
     verify: bool = False
     device: str = "cpu"
-    zero_copy: bool = True
+    zero_copy: bool = False
     align_experts: bool = False
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The selected transport's own declared options (``engine_options``), validated."""
@@ -304,3 +317,22 @@ def parse_engine_kwargs(raw: Mapping[str, Any] | None, registry: Any = None) -> 
         except (ValueError, TypeError) as exc:
             raise EngineKwargsError(str(exc)) from exc
     return EngineSettings(**values, extra=extra)
+
+
+def engine_bucket_size(settings: EngineSettings, verl_bucket_size: object) -> int | None:
+    """The engine's explicit bucket size in bytes: ``bucket_bytes``, else verl's ``bucket_size``
+    (``update_weights_bucket_megabytes`` << 20); None for ``bucket_bytes=auto``."""
+    if settings.bucket_auto:
+        return None
+    if settings.bucket_bytes is not None:
+        return settings.bucket_bytes
+    key = "checkpoint_engine.update_weights_bucket_megabytes"
+    if isinstance(verl_bucket_size, str) or verl_bucket_size is None:
+        raise EngineKwargsError(f"{key}: bucket_size={verl_bucket_size!r} is not a positive number of bytes")
+    try:
+        size = parse_bucket_bytes(verl_bucket_size, key)
+    except ValueError as exc:
+        raise EngineKwargsError(str(exc)) from exc
+    if size is None:  # pragma: no cover - a non-string is never "auto"
+        raise EngineKwargsError(f"{key}: bucket_size={verl_bucket_size!r} is not a positive number of bytes")
+    return size

@@ -269,13 +269,45 @@ class Registry:
         text = ", ".join(names) or "(none registered)"
         blocked = sorted(self.blocked())
         suffix = f" (blocked by disabled_plugins: {', '.join(blocked)})" if blocked else ""
+        provider = self.blocked_provider(table, value)
+        if provider is not None:
+            return UnknownPluginNameError(
+                f"{key}={value!r}: {what} blocked by disabled_plugins (provided by plugin "
+                f"{provider.plugin!r}, {provider.distribution}); available: {text}{suffix}"
+            )
         return UnknownPluginNameError(f"{key}={value!r}: unknown {what}; available: {text}{suffix}")
+
+    def blocked_provider(self, table: str, name: str) -> Provided | None:
+        """The blocked plugin that would provide ``name`` for ``table`` (a boundary or a transport
+        kind), or None. Blocked plugins are loaded and asked here only, never registered."""
+        hook_name, kwargs = (table, {}) if table in BOUNDARIES else ("weight_transport", {"kind": table})
+        for plugin_name in sorted(self.blocked()):
+            try:
+                plugin, distribution = _load_plugin(plugin_name)
+                provided = getattr(plugin, hook_name, lambda **_: None)(**kwargs)
+            except Exception:  # a blocked plugin that cannot even be asked provides nothing
+                continue
+            if isinstance(provided, Mapping) and name in provided:
+                return Provided(name, provided[name], plugin_name, distribution)
+        return None
 
     def blocked(self) -> set[str]:
         """The plugin names blocked in this manager."""
         names = {name for name in (*self.distributions, *BUILTIN_PLUGINS) if self.pm.is_blocked(name)}
         names.update(blocked_from_env())
         return names
+
+
+def _load_plugin(plugin_name: str) -> tuple[Any, str]:
+    """The plugin object named ``plugin_name`` (a built-in or an entry point) and its distribution."""
+    if plugin_name in BUILTIN_PLUGINS:
+        from verl_fastsync import cleanup, transports
+
+        return (cleanup if plugin_name == BUILTIN_CLEANUP else transports), BUILTIN_DISTRIBUTION
+    for ep in _entry_points():
+        if ep.name == plugin_name:
+            return ep.load(), _distribution_of(ep)
+    raise LookupError(f"no verl-fastsync plugin named {plugin_name!r} is installed")
 
 
 def _check_cleanup(obj: Any) -> str | None:

@@ -63,7 +63,7 @@ variable, which reaches every actor::
     +ray_kwargs.ray_init.runtime_env.env_vars.VERL_FASTSYNC_COLOCATED=shm
 
 and the adapter checks at trainer-worker start that the two agree
-(:func:`verl_fastsync.verl.adapter.check_colocated_switch`), so a forgotten half fails before the first
+(:func:`verl_fastsync.verl.startup.check_colocated_switch`), so a forgotten half fails before the first
 sync. The receiver follows the transport named by the sender's first message, so only the on/off
 decision must agree; when it does not, the fastsync side fails with a timeout that says so (the
 socket types differ: no hang).

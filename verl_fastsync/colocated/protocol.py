@@ -8,22 +8,22 @@ import os
 import re
 from typing import Any
 
-from verl_fastsync import wire
+from verl_fastsync import config, wire
 
 SCHEMA_VERSION = wire.COLOCATED_SCHEMA_VERSION
 """Version of the control messages; a peer speaking another version is refused."""
 
-ENV_ENABLE = "VERL_FASTSYNC_COLOCATED"
-"""Per-process switch (see the module docstring for the values)."""
-
-ENV_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
-ENV_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
+# The names live in verl_fastsync.config with every variable that carries the config to other processes.
+ENV_ENABLE = config.ENV_COLOCATED
+"""Per-process switch (see the package docstring for the values)."""
+ENV_TIMEOUT = config.ENV_COLOCATED_TIMEOUT
+"""Override of the default timeout (seconds) of every blocking wait."""
+ENV_VERIFY = config.ENV_COLOCATED_VERIFY
 """``1``: the sender attaches an xxhash checksum to every chunk and the receiver checks it (the adapter
 sets it in the trainer process from ``custom.fastsync.verify``)."""
-"""Override of the default timeout (seconds) of every blocking wait."""
 
-DEFAULT_TIMEOUT_S = 600.0
-"""Default timeout of one blocking wait (generous: a vLLM worker may be slow to start receiving)."""
+DEFAULT_TIMEOUT_S = config.DEFAULT_TIMEOUT_S
+"""Default timeout of one blocking wait."""
 
 METRIC_PREFIX = "fastsync/colocated/"
 

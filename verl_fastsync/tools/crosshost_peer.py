@@ -1,7 +1,7 @@
 """The peer side of :mod:`verl_fastsync.tools.crosshost`: what each simulated host runs.
 
 Every public function here is called by name through the JSON-lines protocol of
-:mod:`verl_fastsync.tools.netns` inside a namespace: it takes and returns JSON values. Sockets,
+:mod:`verl_fastsync.tools.netns_worker` inside a namespace: it takes and returns JSON values. Sockets,
 process groups, agents and buffers of the current row live in this process's ``_STATE`` until
 :func:`reset`. Sender functions return the start time of each repeat, receiver functions the time
 the last byte arrived (the system-wide monotonic clock), and both the xxh3 digest of their bytes.

@@ -8,6 +8,7 @@ errors the workers would raise. The exit status is non-zero when something reque
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -96,6 +97,43 @@ def _needs(kind: str, name: str, deps: dict[str, Probe]) -> str | None:
     return "; ".join(missing) or None
 
 
+def _verl_init_source() -> str | None:
+    """The source of the importable ``verl/__init__.py`` (found without importing verl), or None."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def verl_loads_entry_points(source: str | None = None) -> bool:
+    """Whether the importable verl's ``import verl`` loads the ``verl.plugins`` entry-point group.
+
+    Decided by what the release's code does, not by its version number: ``verl/__init__.py`` is read
+    (not imported) and its code - comments and docstrings do not count - must name the group
+    ``"verl.plugins"`` and call ``entry_points``. False when verl is not installed.
+    """
+    text = _verl_init_source() if source is None else source
+    if text is None:
+        return False
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return False
+    names_group = calls_entry_points = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value == "verl.plugins":
+            names_group = True
+        elif isinstance(node, ast.alias) and node.name == "entry_points":
+            calls_entry_points = True
+        elif isinstance(node, ast.Attribute) and node.attr == "entry_points":
+            calls_entry_points = True
+    return names_group and calls_entry_points
+
+
 def verl_info() -> dict[str, Any]:
     """The importable verl release and how the plugin gets loaded into it."""
     info: dict[str, Any] = {"installed": False}
@@ -112,9 +150,7 @@ def verl_info() -> dict[str, Any]:
     except Exception as exc:
         info["version"] = None
         info["import_error"] = f"{type(exc).__name__}: {exc}"
-    with open(spec.origin, encoding="utf-8") as f:
-        source = f.read()
-    loads_entry_points = "verl.plugins" in source
+    loads_entry_points = verl_loads_entry_points()
     info["loads_verl_plugins_entry_points"] = loads_entry_points
     try:
         from importlib.metadata import entry_points

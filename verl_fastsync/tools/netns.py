@@ -12,16 +12,7 @@ Each side also looks like a separate host: :meth:`NamespacePair.spawn` starts a 
 ``/etc/netns/<name>/hosts``, which ``ip netns exec`` mounts over ``/etc/hosts``) to that side's
 veth address, so code that advertises "this host's address" advertises the link's.
 
-Workers speak JSON lines (no pickle) over stdin/stdout:
-
-* worker -> driver, once: ``{"type": "ready", "pid": ..., "netns": ..., "hostname": ...}``
-* driver -> worker: ``{"type": "call", "id": n, "fn": "package.module:function", "kwargs": {...}}``
-  or ``{"type": "exit"}``
-* worker -> driver: ``{"type": "result", "id": n, "ok": true, "value": ...}`` or
-  ``{"type": "result", "id": n, "ok": false, "error": "...", "traceback": "..."}``
-
-Calls run one at a time in the worker; the function gets the JSON ``kwargs`` and returns a JSON
-value. Anything the worker's libraries print goes to its stderr, never into the protocol stream.
+The workers and their JSON-lines protocol: :mod:`verl_fastsync.tools.netns_worker`.
 Requires root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; :func:`unavailable_reason` says why not.
 """
 
@@ -29,10 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import importlib
 import ipaddress
-import json
 import os
 import secrets
 import shutil
@@ -40,12 +28,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import traceback
-from collections import deque
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any
+
+from verl_fastsync.tools.netns_worker import NetnsWorker, WorkerError
 
 __all__ = [
     "PREFIX",
@@ -68,10 +55,6 @@ _CMD_TIMEOUT_S = 60.0
 
 class NetnsUnavailableError(RuntimeError):
     """Namespaces cannot be made here; the message says why."""
-
-
-class WorkerError(RuntimeError):
-    """A worker's call failed, the worker died, or it gave no answer in time."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,209 +300,3 @@ class NamespacePair:
         worker = NetnsWorker(end, env=env, start_timeout_s=start_timeout_s)
         self.workers.append(worker)
         return worker
-
-
-# --------------------------------------------------------------------------------------------------
-# the worker (driver side)
-
-
-class NetnsWorker:
-    """A Python process inside a namespace, driven over JSON lines (see the module docstring)."""
-
-    def __init__(
-        self, end: Endpoint, env: dict[str, str] | None = None, start_timeout_s: float = 120.0
-    ) -> None:
-        self.end = end
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        full_env["PYTHONUNBUFFERED"] = "1"
-        full_env["NETNS_NAME"] = end.netns
-        cmd = ["ip", "netns", "exec", end.netns, sys.executable, "-m", "verl_fastsync.tools.netns",
-               "--worker", end.hostname]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=full_env,
-        )
-        self._next_id = 0
-        self._results: dict[int, dict[str, Any]] = {}
-        self._eof = False
-        self._cond = threading.Condition()
-        self._stderr: deque[str] = deque(maxlen=60)
-        threading.Thread(target=self._read_stdout, daemon=True, name=f"netns-{end.netns}-out").start()
-        threading.Thread(target=self._read_stderr, daemon=True, name=f"netns-{end.netns}-err").start()
-        self.info = self._wait_id(-1, start_timeout_s, "start")
-
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                self._stderr.append(f"[not protocol] {line}")
-                continue
-            key = -1 if msg.get("type") == "ready" else int(msg.get("id", -2))
-            with self._cond:
-                self._results[key] = msg
-                self._cond.notify_all()
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._stderr.append(line)
-
-    def stderr_tail(self, lines: int = 15) -> str:
-        return "".join(list(self._stderr)[-lines:]).strip()
-
-    def _fail(self, what: str) -> WorkerError:
-        return WorkerError(f"worker in {self.end.netns}: {what}; its stderr ends with:\n{self.stderr_tail()}")
-
-    def _wait_id(self, key: int, timeout_s: float, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while key not in self._results:
-                if self._eof:
-                    code = self.proc.wait(timeout=10)
-                    raise self._fail(f"exited with code {code} during {what}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._fail(f"no answer to {what} within {timeout_s:.0f} s")
-                self._cond.wait(min(left, 1.0))
-            return self._results.pop(key)
-
-    def submit(self, fn: str, kwargs: dict[str, Any] | None = None) -> int:
-        """Start ``fn`` (``"package.module:function"``) with JSON ``kwargs``; returns the call id."""
-        if self.proc.poll() is not None:
-            raise self._fail(f"exited with code {self.proc.returncode} before {fn}")
-        self._next_id += 1
-        line = json.dumps({"type": "call", "id": self._next_id, "fn": fn, "kwargs": kwargs or {}})
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise self._fail(f"stdin closed ({exc}) before {fn}") from exc
-        return self._next_id
-
-    def result(self, call_id: int, timeout_s: float) -> Any:
-        """The value of call ``call_id``; :class:`WorkerError` on failure, death or timeout."""
-        msg = self._wait_id(call_id, timeout_s, f"call {call_id}")
-        if not msg.get("ok"):
-            raise WorkerError(
-                f"worker in {self.end.netns}: {msg.get('error')}\n{msg.get('traceback', '')}".rstrip()
-            )
-        return msg.get("value")
-
-    def call(self, fn: str, kwargs: dict[str, Any] | None = None, timeout_s: float = 300.0) -> Any:
-        """:meth:`submit` then :meth:`result`."""
-        return self.result(self.submit(fn, kwargs), timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"type": "exit"}) + "\n")
-                self.proc.stdin.flush()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            with contextlib.suppress(Exception):
-                if stream is not None:
-                    stream.close()
-
-
-# --------------------------------------------------------------------------------------------------
-# the worker (inside the namespace)
-
-_CLONE_NEWUTS = 0x04000000
-
-
-def _exit_with_driver() -> None:
-    """End this worker when the driver that started it is gone (no orphan left in a namespace)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True, name="netns-driver-watch").start()
-
-
-def _become_host(hostname: str) -> None:
-    """Own UTS namespace and hostname."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWUTS) != 0:
-        raise OSError(ctypes.get_errno(), f"unshare(CLONE_NEWUTS) failed: {os.strerror(ctypes.get_errno())}")
-    import socket
-
-    socket.sethostname(hostname)
-
-
-def _resolve(fn: str) -> Any:
-    module, sep, attr = fn.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"fn must be 'package.module:function', got {fn!r}")
-    return getattr(importlib.import_module(module), attr)
-
-
-def _worker_main(hostname: str) -> int:
-    # protocol on a private copy of stdout; fd 1 (what C libraries and print use) goes to stderr
-    proto: TextIO = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    _exit_with_driver()
-    _become_host(hostname)
-    netns = os.environ.get("NETNS_NAME", "")
-    proto.write(
-        json.dumps({"type": "ready", "pid": os.getpid(), "netns": netns, "hostname": hostname}) + "\n"
-    )
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            print(f"netns worker: not a JSON line: {line[:200]!r}", file=sys.stderr)
-            continue
-        if msg.get("type") == "exit":
-            break
-        call_id = msg.get("id")
-        try:
-            value = _resolve(str(msg.get("fn")))(**(msg.get("kwargs") or {}))
-            text = json.dumps({"type": "result", "id": call_id, "ok": True, "value": value})
-        except BaseException as exc:  # report to the driver (a value JSON cannot carry too), keep serving
-            error = f"{type(exc).__name__}: {exc}"
-            text = json.dumps(
-                {
-                    "type": "result",
-                    "id": call_id,
-                    "ok": False,
-                    "error": error,
-                    "traceback": traceback.format_exc(),
-                }
-            )
-        proto.write(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        sys.exit(_worker_main(sys.argv[2]))
-    print("usage: python -m verl_fastsync.tools.netns --worker HOSTNAME (started by NamespacePair.spawn)")
-    sys.exit(2)

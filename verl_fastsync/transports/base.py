@@ -45,8 +45,8 @@ import importlib
 import math
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -118,6 +118,8 @@ class TransportOptions:
     only until the next item is requested from :meth:`EngineTransport.receive` (clone to keep)."""
     host: str | None = None
     """Address to bind network endpoints on (trainer rank 0); default: the transport's choice."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """The transport's own ``engine_kwargs.fastsync`` options (its ``engine_options``), validated."""
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):

@@ -60,12 +60,11 @@ way, so a switched sender never faces an unswitched receiver.
 
 Metrics of each sync (``fastsync/<boundary>/<field>``, and ``fastsync/colocated/*``) go to one INFO
 log line per rank (logger ``verl_fastsync.verl.adapter``), to :func:`last_sync_metrics`, and are the
-return value of the worker's naive ``update_weights`` where verl's own is ``None``. verl's
-``CheckpointEngineManager`` drops that value on every release, so the driver side captures the
-object refs of the workers' ``update_weights`` calls (``CheckpointEngineManager.__init__`` wraps its
-worker group's method) and :class:`verl.utils.tracking.Tracking` ``.log`` merges their ``fastsync/*``
-keys (mean over ranks) into the next step's metrics: wandb, tensorboard, console, ... on every
-release.
+return value of the worker's naive ``update_weights`` where verl's own is ``None``; the driver side
+merges them into the step metrics (:mod:`verl_fastsync.verl.metrics`).
+
+The checks a worker runs at start (config vs environment vs patches) live in
+:mod:`verl_fastsync.verl.startup`.
 """
 
 from __future__ import annotations
@@ -75,14 +74,14 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from verl_fastsync import cleanup, plugins
-from verl_fastsync.config import FastsyncConfig, FastsyncConfigError, config_from_rollout, validate_names
-from verl_fastsync.verl import importhook
-from verl_fastsync.verl.importhook import PatchRequiredError, when_imported
+from verl_fastsync.config import ENV_COLOCATED, FastsyncConfig, config_from_rollout, validate_names
+from verl_fastsync.verl import importhook, metrics, startup
+from verl_fastsync.verl.importhook import MARK, PatchRequiredError, require, when_imported
 
 logger = logging.getLogger(__name__)
 
@@ -101,16 +100,8 @@ PATCHED_MODULES = (
     BUCKETED_TRANSFER,
 )
 
-ENV_COLOCATED = "VERL_FASTSYNC_COLOCATED"
-ENV_COLOCATED_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
-ENV_COLOCATED_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
-ENV_ROUTE = "+ray_kwargs.ray_init.runtime_env.env_vars"
-"""Hydra prefix of an environment variable every verl process (Ray actor, vLLM worker) sees."""
-
 _STATE_ATTR = "_verl_fastsync_state"
-_MARK = "__verl_fastsync_wrapped__"
 _INSTALL_LOCK = threading.Lock()
-_OFF = frozenset({"", "0", "false", "off", "no"})
 
 
 def install_into_verl() -> None:
@@ -122,31 +113,9 @@ def install_into_verl() -> None:
         for name in LEGACY_WORKERS:
             when_imported(name, _patch_legacy_workers)
         when_imported(CHECKPOINT_ENGINE, _register_checkpoint_engine)
-        when_imported(CHECKPOINT_BASE, _patch_checkpoint_manager)
-        when_imported(TRACKING, _patch_tracking)
+        when_imported(CHECKPOINT_BASE, metrics.patch_checkpoint_manager)
+        when_imported(TRACKING, metrics.patch_tracking)
         when_imported(BUCKETED_TRANSFER, _install_colocated)
-
-
-def _require(owner: Any, attr: str, where: str) -> Any:
-    """``owner.attr``, or a clear error naming what this verl release lacks."""
-    value = getattr(owner, attr, None)
-    if value is None:
-        raise AttributeError(
-            f"{where} has no {attr!r} (this verl release differs from what fastsync patches)"
-        )
-    return value
-
-
-def check_patches_applied() -> None:
-    """With ``enable=true``: every patch this process attempted must have been applied."""
-    failed = {name: why for name, why in importhook.FAILURES.items() if name in PATCHED_MODULES}
-    if failed:
-        details = "; ".join(f"{name}: {why}" for name, why in sorted(failed.items()))
-        raise FastsyncConfigError(
-            f"custom.fastsync.enable=true but verl-fastsync could not patch this verl release ({details}); "
-            "refusing to run verl's stock sync under a fastsync config. Use a supported verl "
-            "(0.7.1, 0.8.0, 0.9.0, 0.9.1) or set custom.fastsync.enable=false"
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,102 +130,13 @@ class WorkerState:
         self.config = config
         self.registry: plugins.Registry | None = None
         if config.enable:
-            check_patches_applied()
-            check_disabled_plugins(config, environ)
+            startup.check_patches_applied(PATCHED_MODULES)
+            startup.check_disabled_plugins(config, environ)
             self.registry = plugins.registry(config.disabled_plugins)
             validate_names(config, self.registry)
-        check_colocated_switch(config, environ)
+        startup.check_colocated_switch(config, environ)
         self.last_metrics: dict[str, float] = {}
         self.syncs = 0
-
-
-def _env_hint(name: str, value: str) -> str:
-    return f"{ENV_ROUTE}.{name}={value}"
-
-
-def check_disabled_plugins(config: FastsyncConfig, environ: Any) -> None:
-    """``disabled_plugins`` must also be in :data:`~verl_fastsync.plugins.ENV_DISABLED`: the
-    checkpoint-engine workers and vLLM's workers build their registry from the environment only."""
-    env_blocked = set(plugins.blocked_from_env(environ))
-    missing = [name for name in config.disabled_plugins if name not in env_blocked]
-    if missing:
-        wanted = ",".join(dict.fromkeys([*plugins.blocked_from_env(environ), *config.disabled_plugins]))
-        raise FastsyncConfigError(
-            f"{config.key('disabled_plugins')}={list(config.disabled_plugins)} must reach every verl process "
-            f"(checkpoint-engine and vLLM workers see no config), but {plugins.ENV_DISABLED} lacks "
-            f"{', '.join(missing)}; add {_env_hint(plugins.ENV_DISABLED, wanted)}"
-        )
-
-
-def ipc_unsupported_reason() -> str | None:
-    """Why CUDA IPC cannot carry the colocated transfer in this process (None: it can)."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return "torch.cuda.is_available() is False"
-        from verl.utils.device import is_support_ipc
-
-        return None if is_support_ipc() else "verl.utils.device.is_support_ipc() is False"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def check_colocated_switch(config: FastsyncConfig, environ: Any) -> None:
-    """The colocated transport must be switched on in the config *and* in every process's environment.
-
-    verl's vLLM worker processes (the receivers) never see the config, so what they read is the
-    environment (``VERL_FASTSYNC_COLOCATED``, ``VERL_FASTSYNC_COLOCATED_TIMEOUT_S``), which reaches every
-    Ray actor through ``+ray_kwargs.ray_init.runtime_env.env_vars``. A trainer worker whose config and
-    environment disagree fails here, saying what to add, instead of at its first sync. The named
-    transport is what the sender uses (``ipc`` never silently becomes ``shm``); ``ipc`` on a device
-    without CUDA IPC fails here.
-    """
-    wanted = config.colocated_transport if config.enable else None
-    raw = str(environ.get(ENV_COLOCATED, ""))
-    if wanted is None and raw.strip().lower() in _OFF:
-        return
-    from verl_fastsync.colocated import colocated_transport_name
-
-    try:
-        named = colocated_transport_name(use_shm=wanted == "shm", environ=environ)
-    except ValueError as exc:
-        raise FastsyncConfigError(str(exc)) from exc
-    if wanted is None:
-        raise FastsyncConfigError(
-            f"{ENV_COLOCATED}={raw!r} switches verl's colocated transfer to fastsync, but "
-            f"{config.key('colocated_transport')} is not set (or {config.key('enable')} is false); "
-            f"set both or neither"
-        )
-    if named != wanted:
-        raise FastsyncConfigError(
-            f"{config.key('colocated_transport')}={wanted!r} needs {ENV_COLOCATED}={wanted} in every verl "
-            f"process (vLLM's workers see no config), but this process has {ENV_COLOCATED}={raw!r}; "
-            f"add {_env_hint(ENV_COLOCATED, wanted)}"
-        )
-    if wanted == "ipc":
-        why = ipc_unsupported_reason()
-        if why is not None:
-            raise FastsyncConfigError(
-                f"{config.key('colocated_transport')}='ipc' selects CUDA IPC, which this worker cannot use "
-                f"({why}); use colocated_transport=shm (with {ENV_COLOCATED}=shm)"
-            )
-    env_timeout = str(environ.get(ENV_COLOCATED_TIMEOUT, "")).strip()
-    try:
-        receiver_timeout = float(env_timeout) if env_timeout else None
-    except ValueError:
-        receiver_timeout = -1.0
-    if receiver_timeout != config.timeout_s and not (receiver_timeout is None and config.timeout_s == 600.0):
-        raise FastsyncConfigError(
-            f"{config.key('timeout_s')}={config.timeout_s:g} must also bound vLLM's receivers, which read "
-            f"{ENV_COLOCATED_TIMEOUT} (this process has {env_timeout or 'unset'}); add "
-            f"{_env_hint(ENV_COLOCATED_TIMEOUT, f'{config.timeout_s:g}')}"
-        )
-    # this process is the sender: the named transport and the config's values, never verl's use_shm
-    environ[ENV_COLOCATED] = wanted
-    environ[ENV_COLOCATED_TIMEOUT] = str(config.timeout_s)
-    if config.verify:
-        environ[ENV_COLOCATED_VERIFY] = "1"
 
 
 def _rollout_config(worker_config: Any) -> Any:
@@ -443,7 +323,7 @@ def _is_naive(worker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
 
 def _wrap_init(cls: type) -> None:
     original = cls.__init__  # type: ignore[misc]
-    if getattr(original, _MARK, False):
+    if getattr(original, MARK, False):
         return
 
     @functools.wraps(original)
@@ -454,13 +334,13 @@ def _wrap_init(cls: type) -> None:
         original(self, *args, **kwargs)
         self.__dict__[_STATE_ATTR] = state
 
-    setattr(__init__, _MARK, True)
+    setattr(__init__, MARK, True)
     cls.__init__ = __init__  # type: ignore[misc]
 
 
 def _wrap_sync_method(cls: type, name: str, naive_only: bool) -> None:
-    original = _require(cls, name, f"{cls.__module__}.{cls.__qualname__}")
-    if getattr(original, _MARK, False):
+    original = require(cls, name, f"{cls.__module__}.{cls.__qualname__}")
+    if getattr(original, MARK, False):
         return
 
     @functools.wraps(original)
@@ -472,14 +352,14 @@ def _wrap_sync_method(cls: type, name: str, naive_only: bool) -> None:
             self, state, lambda: original(self, *args, **kwargs), _global_step(args, kwargs)
         )
 
-    setattr(wrapper, _MARK, True)
+    setattr(wrapper, MARK, True)
     setattr(cls, name, wrapper)
 
 
 def _shim_module_globals(module: ModuleType) -> None:
     """Route the worker module's cleanup calls through the active sync scope (transparent outside)."""
     original_aggressive = getattr(module, "aggressive_empty_cache", None)
-    if original_aggressive is not None and not getattr(original_aggressive, _MARK, False):
+    if original_aggressive is not None and not getattr(original_aggressive, MARK, False):
 
         @functools.wraps(original_aggressive)
         def aggressive_empty_cache(*args: Any, **kwargs: Any) -> Any:
@@ -489,11 +369,11 @@ def _shim_module_globals(module: ModuleType) -> None:
             scope.verl_cleanup("aggressive_empty_cache")
             return None
 
-        setattr(aggressive_empty_cache, _MARK, True)
+        setattr(aggressive_empty_cache, MARK, True)
         module.aggressive_empty_cache = aggressive_empty_cache  # type: ignore[attr-defined]
 
     original_device = getattr(module, "get_torch_device", None)
-    if original_device is not None and not getattr(original_device, _MARK, False):
+    if original_device is not None and not getattr(original_device, MARK, False):
 
         @functools.wraps(original_device)
         def get_torch_device() -> Any:
@@ -501,12 +381,12 @@ def _shim_module_globals(module: ModuleType) -> None:
             device = _device()
             return device if scope is None else _DeviceProxy(device, scope)
 
-        setattr(get_torch_device, _MARK, True)
+        setattr(get_torch_device, MARK, True)
         module.get_torch_device = get_torch_device  # type: ignore[attr-defined]
 
 
 def _patch_engine_workers(module: ModuleType) -> None:
-    cls = _require(module, "ActorRolloutRefWorker", module.__name__)
+    cls = require(module, "ActorRolloutRefWorker", module.__name__)
     _wrap_init(cls)  # first: a later failure is then reported when the worker starts
     _shim_module_globals(module)
     _wrap_sync_method(cls, "update_weights", naive_only=True)
@@ -527,7 +407,7 @@ def _patch_legacy_workers(module: ModuleType) -> None:
 def _wrap_legacy_update_weights(cls: type) -> None:
     """0.7.1's legacy ``update_weights`` returns True after ``rollout_mode``: hand the metrics instead."""
     original = cls.update_weights  # type: ignore[attr-defined]
-    if getattr(original, _MARK, False):
+    if getattr(original, MARK, False):
         return
 
     @functools.wraps(original)
@@ -536,7 +416,7 @@ def _wrap_legacy_update_weights(cls: type) -> None:
         metrics = last_sync_metrics(self)
         return metrics if result is True and metrics else result
 
-    setattr(update_weights, _MARK, True)
+    setattr(update_weights, MARK, True)
     cls.update_weights = update_weights  # type: ignore[attr-defined]
 
 
@@ -553,119 +433,14 @@ def _install_colocated(module: ModuleType) -> None:
     try:
         from verl_fastsync.colocated import install_colocated
 
-        _require(module, "BucketedWeightSender", module.__name__)
-        _require(module, "BucketedWeightReceiver", module.__name__)
+        require(module, "BucketedWeightSender", module.__name__)
+        require(module, "BucketedWeightReceiver", module.__name__)
         install_colocated(module)
     except Exception as exc:
-        if str(os.environ.get(ENV_COLOCATED, "")).strip().lower() not in _OFF:
+        if str(os.environ.get(ENV_COLOCATED, "")).strip().lower() not in startup.OFF:
             raise PatchRequiredError(
                 f"{ENV_COLOCATED}={os.environ.get(ENV_COLOCATED)!r} switches the colocated transfer to "
                 f"fastsync, but {module.__name__} could not be patched ({type(exc).__name__}: {exc}); "
                 f"refusing to run verl's own receiver against fastsync's sender"
             ) from exc
         raise
-
-
-# --------------------------------------------------------------------------------------------
-# metrics: worker return values -> the driver's step metrics
-
-
-class _MetricsInbox:
-    """Driver side: the pending results of the workers' ``update_weights`` calls, merged into the
-    next ``Tracking.log``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: list[Any] = []
-
-    def add(self, refs: Any) -> None:
-        with self._lock:
-            self._pending.append(refs)
-
-    def take(self) -> dict[str, float]:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        results: list[Any] = []
-        for refs in pending:
-            try:
-                results.extend(_resolve(refs))
-            except Exception as exc:  # a failed sync has already raised in verl's own ray.get
-                logger.debug("verl-fastsync: no metrics from a failed update_weights: %r", exc)
-        return merge_rank_metrics(results)
-
-
-def _resolve(refs: Any) -> list[Any]:
-    items = refs if isinstance(refs, list | tuple) else [refs]
-    if any(type(item).__name__ == "ObjectRef" for item in items):
-        import ray
-
-        return list(ray.get(list(items), timeout=60))
-    return list(items)
-
-
-def merge_rank_metrics(results: list[Any]) -> dict[str, float]:
-    """The mean over ranks of every ``fastsync/*`` number in the workers' results."""
-    sums: dict[str, list[float]] = {}
-    for result in results:
-        if not isinstance(result, Mapping):
-            continue
-        for key, value in result.items():
-            if isinstance(key, str) and key.startswith("fastsync/") and isinstance(value, int | float):
-                sums.setdefault(key, []).append(float(value))
-    return {key: sum(values) / len(values) for key, values in sorted(sums.items())}
-
-
-INBOX = _MetricsInbox()
-
-
-def _capture_worker_group(group: Any) -> None:
-    method = getattr(group, "update_weights", None)
-    if method is None or getattr(method, _MARK, False):
-        return
-
-    @functools.wraps(method)
-    def update_weights(*args: Any, **kwargs: Any) -> Any:
-        refs = method(*args, **kwargs)
-        INBOX.add(refs)
-        return refs
-
-    setattr(update_weights, _MARK, True)
-    try:
-        group.update_weights = update_weights
-    except Exception as exc:  # a group that refuses attributes: metrics stay in the workers' logs
-        logger.debug("verl-fastsync: cannot capture %r.update_weights: %r", group, exc)
-
-
-def _patch_checkpoint_manager(module: ModuleType) -> None:
-    cls = _require(module, "CheckpointEngineManager", module.__name__)
-    original = cls.__init__
-    if getattr(original, _MARK, False):
-        return
-
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        # 0.7.1/0.8.0 name the trainer's worker group `trainer`, 0.9.0+ `actor_wg`
-        group = getattr(self, "actor_wg", None) or getattr(self, "trainer", None)
-        if group is not None:
-            _capture_worker_group(group)
-
-    setattr(__init__, _MARK, True)
-    cls.__init__ = __init__
-
-
-def _patch_tracking(module: ModuleType) -> None:
-    cls = _require(module, "Tracking", module.__name__)
-    original = _require(cls, "log", f"{module.__name__}.Tracking")
-    if getattr(original, _MARK, False):
-        return
-
-    @functools.wraps(original)
-    def log(self: Any, data: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
-        metrics = INBOX.take()
-        if metrics and isinstance(data, Mapping):
-            data = {**data, **{k: v for k, v in metrics.items() if k not in data}}
-        return original(self, data, step, *args, **kwargs)
-
-    setattr(log, _MARK, True)
-    cls.log = log

@@ -46,7 +46,6 @@ gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_me
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from typing import Any
 
@@ -54,8 +53,8 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from verl_fastsync.chunks import leading_slice_bytes, validate_bucket_size
+from verl_fastsync.config import engine_bucket_size, parse_bucket_bytes, parse_engine_kwargs
 from verl_fastsync.transports.base import (
-    DEFAULT_TIMEOUT_S,
     EngineTransport,
     EngineTransportFactory,
     TransportError,
@@ -87,44 +86,6 @@ AUTO_DIVISOR = 16
 """``auto``: one bucket is the model's bytes divided by this (clamped to [floor, cap])."""
 AUTO_FIRST = 64 << 20
 """``auto`` before the first sync, when the model's size is not known yet."""
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-}
-_KNOWN_KWARGS = ("transport", "bucket_bytes", "timeout_s", "verify", "device", "zero_copy", "align_experts")
-
-
-def parse_bucket_bytes(value: object, key: str = "engine_kwargs.fastsync.bucket_bytes") -> int | None:
-    """``None``/``"auto"`` -> ``None`` (auto); a positive int or ``"<n><unit>"`` -> bytes; else error."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    if isinstance(value, bool):
-        raise ValueError(
-            f"{key}={value!r}: expected a positive number of bytes, a size like '64MiB', or 'auto'"
-        )
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{key}={value}: the bucket size must be > 0 bytes (or 'auto')")
-        return value
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
-        if match and match.group(2).lower() in _UNITS:
-            size = int(match.group(1)) * _UNITS[match.group(2).lower()]
-            if size <= 0:
-                raise ValueError(f"{key}={value!r}: the bucket size must be > 0 bytes (or 'auto')")
-            return size
-    raise ValueError(
-        f"{key}={value!r}: not a bucket size; use a positive int (bytes), a size such as '64MiB' "
-        "(units B, KiB, MiB, GiB, KB, MB, GB) or 'auto'"
-    )
-
 
 def free_memory_bytes(device: str) -> int:
     """Free memory where buckets live: the accelerator's free memory for a device, else host
@@ -198,48 +159,23 @@ class FastsyncCheckpointEngine(CheckpointEngine):
     # 0.9.0+ declares ``wire_format`` on the base class; harmless on 0.7.1/0.8.0.
     wire_format = "named_tensors"
 
-    def __init__(
-        self,
-        bucket_size: int,
-        is_master: bool = False,
-        transport: str = "shm",
-        bucket_bytes: int | str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        verify: bool = False,
-        device: str = "cpu",
-        zero_copy: bool = False,
-        align_experts: bool = False,
-        **unknown: Any,
-    ) -> None:
-        if unknown:
-            raise TypeError(
-                f"unknown engine_kwargs.fastsync key(s) {sorted(unknown)}; "
-                f"allowed: {', '.join(_KNOWN_KWARGS)}"
-            )
-        if bucket_bytes is None:
-            # verl's update_weights_bucket_megabytes << 20
-            if isinstance(bucket_size, str) or bucket_size is None:
-                raise ValueError(f"bucket_size={bucket_size!r}: expected a positive number of bytes")
-            explicit: int | None = parse_bucket_bytes(
-                bucket_size, "checkpoint_engine.update_weights_bucket_megabytes"
-            )
-        else:
-            explicit = parse_bucket_bytes(bucket_bytes)
+    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+        # the same validation (code and messages) as ``verl-fastsync doctor``
+        settings = parse_engine_kwargs(engine_kwargs)
+        explicit = engine_bucket_size(settings, bucket_size)
         self.bucket_size: int | None = None if explicit is None else validate_bucket_size(explicit)
-        for key, flag in (("verify", verify), ("zero_copy", zero_copy), ("align_experts", align_experts)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"engine_kwargs.fastsync.{key} must be true or false, got {flag!r}")
         self.is_master = bool(is_master)
-        self.transport_name = transport
+        self.transport_name = transport = settings.transport
         self.factory = _select_factory(transport)
         self.options = TransportOptions(
             is_master=self.is_master,
-            timeout_s=timeout_s,
-            verify=bool(verify),
-            device=str(device),
-            zero_copy=zero_copy,
+            timeout_s=settings.timeout_s,
+            verify=settings.verify,
+            device=settings.device,
+            zero_copy=settings.zero_copy,
+            extra=dict(settings.extra),
         )
-        self.align_experts = bool(align_experts)
+        self.align_experts = settings.align_experts
         self.transport: EngineTransport = self.factory(self.options)
         self.last_metrics: dict[str, float] = {}
         self.model_bytes: int | None = None

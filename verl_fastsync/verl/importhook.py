@@ -27,6 +27,9 @@ Callback = Callable[[ModuleType], None]
 FAILURES: dict[str, str] = {}
 """verl module name -> why its patch could not be applied (what was missing), in this process."""
 
+MARK = "__verl_fastsync_wrapped__"
+"""Attribute set on every wrapper fastsync installs into verl, so a second install leaves it alone."""
+
 
 class PatchRequiredError(ImportError):
     """A patch this process cannot run without failed; raised from the import of the verl module."""
@@ -72,6 +75,16 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
         if spec is not None and spec.loader is not None:
             spec.loader = _CallbackLoader(spec.loader, callbacks)
         return spec
+
+
+def require(owner: Any, attr: str, where: str) -> Any:
+    """``owner.attr``, or a clear error naming what this verl release lacks."""
+    value = getattr(owner, attr, None)
+    if value is None:
+        raise AttributeError(
+            f"{where} has no {attr!r} (this verl release differs from what fastsync patches)"
+        )
+    return value
 
 
 def run_callbacks(module: ModuleType, callbacks: Sequence[Callback]) -> None:
