@@ -24,11 +24,34 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# glibc raises its mmap threshold after the first large free, so freed tensors then stay in the heap
+# and an RSS peak measures the allocator's hoarding instead of what the code under test holds. With
+# the threshold fixed, every large tensor is its own mapping and goes back to the OS when freed.
+EXACT_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+@contextmanager
+def child_env(env: dict[str, str] | None) -> Iterator[None]:
+    """Set ``env`` in ``os.environ`` while children are started (spawned children inherit it)."""
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass(frozen=True)
@@ -352,6 +375,7 @@ class Cluster:
         ctor: dict[str, Any] | None = None,
         rollout_ctor: dict[str, Any] | None = None,
         timeout: float = 60.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.transport = transport
         self.mode = mode
@@ -385,7 +409,8 @@ class Cluster:
                 ),
                 daemon=True,
             )
-            proc.start()
+            with child_env(env):
+                proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)

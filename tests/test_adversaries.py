@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from _transport_harness import (  # type: ignore[import-not-found]
+    EXACT_RSS_ENV,
     Cluster,
     TensorSpec,
     expected_digests,
@@ -29,9 +30,9 @@ def _digests(result: dict[str, Any]) -> list[list[tuple[Any, ...]]]:
     return [[tuple(d) for d in r["digests"]] for r in result["receivers"]]
 
 
-def _cluster(transport: str, n_rollout: int = 1, **ctor: Any) -> Cluster:
+def _cluster(transport: str, n_rollout: int = 1, env: dict[str, str] | None = None, **ctor: Any) -> Cluster:
     kwargs = {"bucket_size": BUCKET, "timeout_s": 60, **ctor}
-    return Cluster(transport, 1, n_rollout, mode="transport", ctor=kwargs, timeout=240)
+    return Cluster(transport, 1, n_rollout, mode="transport", ctor=kwargs, timeout=240, env=env)
 
 
 @pytest.mark.timeout(HANG_TIMEOUT)
@@ -106,7 +107,7 @@ def test_sender_keeps_no_produced_tensor_lazy_producer(transport: str) -> None:
     """Tensors made lazily, baseline taken before the producer starts (after the transport allocated
     its two buckets): the sender's peak grows by the producer's one live tensor at most - it keeps
     no tensor it has been given (0.1.0 kept up to a bucket of them: 4 x 8 MiB here)."""
-    with _cluster(transport, bucket_size=LAZY_BUCKET, timeout_s=120) as cluster:
+    with _cluster(transport, bucket_size=LAZY_BUCKET, timeout_s=120, env=EXACT_RSS_ENV) as cluster:
         result = cluster.sync(LAZY_MODEL, send_extra={"producer": "lazy"}, recv_extra={"hash": False})
         sender = result["senders"][0]
         largest = 8 * MIB
@@ -115,3 +116,32 @@ def test_sender_keeps_no_produced_tensor_lazy_producer(transport: str) -> None:
             f"sender RSS grew by {sender['rss_delta'] / MIB:.1f} MiB during the sync; the producer's "
             f"live tensor is {largest / MIB:.0f} MiB"
         )
+
+
+ABORT_LOOPS = 50
+
+
+@pytest.mark.timeout(900)
+def test_nixl_survives_50_receiver_aborts_mid_write() -> None:
+    """A receiver that fails mid-sync while the sender's next WRITE may be landing in its buffers,
+    50 times on one long-lived pair of processes: the receiver process never dies (0.1.0 freed the
+    buffers on that path, and the late WRITE corrupted glibc's heap: ``corrupted double-linked
+    list``), both sides report the failure every time, and a clean sync afterwards is exact."""
+    with _cluster("nixl", timeout_s=30) as cluster:
+        cluster.set_bucket(1024)  # heap-sized buffers: a late WRITE there hits malloc's metadata
+        for i in range(ABORT_LOOPS):
+            after = 1 + i % 7
+            cluster.build_process_group()
+            cluster.post(0, "send", MODEL, 0, {})
+            cluster.post(1, "receive", {"raise_after": after, "hash": False})
+            recv_status, recv_message = cluster.wait_result(1)
+            send_status, send_message = cluster.wait_result(0)
+            assert recv_status == "err", f"abort {i}: {recv_message}"
+            assert "rank 1" in send_message, f"abort {i}: {send_message}"
+            assert f"consumer failed on purpose after {after} tensors" in recv_message, (
+                f"abort {i}: {recv_message}"
+            )
+            assert send_status == "err", f"abort {i}: the sender reported success"
+            cluster.call_all("finalize")
+        result = cluster.sync(MODEL, seed=7)
+        assert _digests(result) == [expected_digests(MODEL, 7)]

@@ -164,7 +164,10 @@ def test_doctor_plugin_blocked_cleanup_fails_like_the_worker() -> None:
     assert report["ok"] is False
     assert report["plugins"]["hooks"]["pre_resume_cleanup"] == []
     [problem] = report["problems"]
-    assert f"{KEY}.pre_resume_cleanup='light'" in problem and "unknown cleanup policy" in problem
+    # the same message the worker raises: the name, who provides it and that the block list hides it
+    assert f"{KEY}.pre_resume_cleanup='light'" in problem, problem
+    assert "cleanup policy blocked by disabled_plugins" in problem, problem
+    assert "'fastsync-cleanup'" in problem and "unknown" not in problem, problem
 
 
 @pytest.mark.timeout(150)

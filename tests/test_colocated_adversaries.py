@@ -23,6 +23,7 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _colocated_harness as harness
+from _transport_harness import EXACT_RSS_ENV, child_env
 
 from verl_fastsync.colocated import (
     ENV_ENABLE,
@@ -159,18 +160,9 @@ def test_lazy_producer_sender_rss_peak(handle: str) -> None:
     sizes = [3 * MiB // 4] * 24 + [20 * MiB // 4] + [3 * MiB // 4] * 8
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    env_before = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors go back to the OS at once
-    try:
-        proc = ctx.Process(
-            target=harness.rss_sender_main, args=(child, handle, sizes, bucket_mb, 2), daemon=True
-        )
+    proc = ctx.Process(target=harness.rss_sender_main, args=(child, handle, sizes, bucket_mb, 2), daemon=True)
+    with child_env(EXACT_RSS_ENV):
         proc.start()
-    finally:
-        if env_before is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = env_before
     child.close()
     for _ in range(2):
         got: list[Any] = []
@@ -182,9 +174,11 @@ def test_lazy_producer_sender_rss_peak(handle: str) -> None:
     proc.join(60)
     assert report[0] == "ok", report
     largest = max(sizes) * 4
-    # cold: + the first sync's one-time state (event loop, zmq context, lazy imports: ~3.5 MiB
-    # measured, and still there after the sync); warm: zmq messages, metadata, allocator rounding
-    slacks = (5 * MiB, 1 * MiB)
+    # cold: + the first sync's one-time state (event loop, zmq context, lazy imports: 3.5-7 MiB
+    # measured, more on a loaded host, and still there after the sync); warm: zmq messages, metadata,
+    # allocator rounding. The warm bound is the sharp one: a kept bucket of source tensors (8 MiB) or
+    # the kept oversize tensor (20 MiB) fails it; cold only guards the slots' size.
+    slacks = (8 * MiB, 1 * MiB)
     for (baseline, peak, live_before), slots, slack, label in zip(
         report[1], (2 * bucket_mb * MiB, 0), slacks, ("cold", "warm"), strict=True
     ):

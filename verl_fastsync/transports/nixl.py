@@ -15,10 +15,22 @@ each rollout rank's registered bucket), a pyzmq channel carries the control mess
 
 The control flow (handshake, acks, end, abort, timeouts) is the ``shm`` transport's; only the
 buffers and the data movement differ. ``nixl`` is imported lazily, when a process group is built.
+
+**Buffer lifetime.** A WRITE lands in the receiver's memory without the receiver doing anything, so
+a receiver may free its buffers only when no WRITE of the sender can still be in flight. The buffers
+and their registration therefore live as long as the transport, not one sync (``finalize`` closes the
+control channel only; the next sync reuses them). A receiver whose sync failed mid-way (its consumer
+raised, a checksum failed, it timed out) keeps them: the sender may be in the middle of a WRITE into
+them right now. Freeing them there let a late WRITE overwrite whatever glibc had put in that memory
+since (heap corruption: ``corrupted double-linked list``). They are reused by the next sync (whose
+``Welcome`` proves the sender is past every WRITE of the failed one) and freed by :meth:`release`
+only after a clean sync. A transport released while a peer may still write keeps them alive until
+the process exits (logged, two buckets); so does a sender whose WRITE timed out.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -32,6 +44,12 @@ from verl_fastsync.transports.tcp import TcpControlledTransport
 from verl_fastsync.wire import BucketReady, Message, PeerBuffers, Welcome
 
 __all__ = ["NixlTransport"]
+
+log = logging.getLogger(__name__)
+
+# Buffers (with their registration and agent) that a peer may still WRITE into when their transport
+# was released: kept alive until the process exits instead of handing the memory back to the heap.
+_KEPT_UNTIL_EXIT: list[tuple[Any, Any, list[torch.Tensor]]] = []
 
 
 class NixlTransport(TcpControlledTransport):
@@ -48,6 +66,8 @@ class NixlTransport(TcpControlledTransport):
         self._remote: dict[bytes, PeerBuffers] = {}
         self._remote_names: dict[bytes, str] = {}
         self._local_descs: list[Any] = []
+        # a remote WRITE into (receiver) or out of (sender) our buffers may still be in flight
+        self._peer_may_write = False
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -76,8 +96,16 @@ class NixlTransport(TcpControlledTransport):
         return self._agent
 
     def _allocate(self) -> None:
+        """Two registered bucket buffers of this sync's size: last sync's when they fit."""
         agent = self._ensure_agent()
         _mem_type, device, _dev_id = self._mem_type()
+        if (
+            len(self._bufs) == 2
+            and all(b.numel() == self.bucket_size and b.device == device for b in self._bufs)
+            and self._reg is not None
+        ):
+            return
+        self._drop_buffers(final=True)
         self._bufs = allocate_bucket_buffers(self.bucket_size, device)
         self._reg = agent.register_memory(self._bufs)
 
@@ -105,6 +133,8 @@ class NixlTransport(TcpControlledTransport):
 
     def _hello_message(self) -> Message:
         self._allocate()
+        # from here on the sender knows our addresses and may WRITE into them (until SyncEnd)
+        self._peer_may_write = True
         mem_type, _device, dev_id = self._mem_type()
         return PeerBuffers(
             rank=self.rank or 0,
@@ -120,21 +150,59 @@ class NixlTransport(TcpControlledTransport):
     def _attach(self, welcome: Welcome) -> None:
         pass
 
+    def _receive_done(self) -> None:
+        # SyncEnd is sent only after every WRITE of the sync completed: nothing is in flight now
+        self._peer_may_write = False
+        super()._receive_done()
+
+    def _end_sync(self) -> None:
+        self._close_channel()  # the registered buffers stay for the next sync
+        self._remote = {}
+        self._remote_names = {}
+
     def _release_buffers(self) -> None:
-        agent = self._agent
-        if agent is not None:
-            # Remote agents stay added for the agent's lifetime: NIXL/UCX keep a removed agent's
-            # endpoint (and its socket) open, so removing it after every sync leaked one fd per sync
-            # on each side. The next handshake re-adds the same metadata, which NIXL accepts.
-            if self._reg is not None:
+        """Failed sync: the control channel closes; the buffers stay (see the module docstring)
+        and are freed here only when no WRITE can be in flight."""
+        self._remote = {}
+        self._remote_names = {}
+        if not self._peer_may_write:
+            self._drop_buffers(final=False)
+
+    def release(self) -> None:
+        super().release()
+        self._drop_buffers(final=True)
+
+    def _drop_buffers(self, final: bool) -> None:
+        """Deregister and free the buffers; when a peer may still WRITE, keep them alive until the
+        process exits instead (``final``) or for the next sync to reuse (not ``final``)."""
+        if not self._bufs:
+            return
+        if self._peer_may_write:
+            if not final:
+                return
+            kept = sum(b.numel() for b in self._bufs)
+            log.warning(
+                "nixl transport, %s rank %s: released while its peer may still WRITE into its "
+                "buffers (the last sync failed mid-transfer); keeping %d bytes alive until the "
+                "process exits instead of freeing memory a late WRITE could overwrite",
+                self.role,
+                self.rank,
+                kept,
+            )
+            _KEPT_UNTIL_EXIT.append((self._agent, self._reg, self._bufs))
+        else:
+            agent = self._agent
+            if agent is not None and self._reg is not None:
+                # Remote agents stay added for the agent's lifetime: NIXL/UCX keep a removed agent's
+                # endpoint (and its socket) open, so removing it after every sync leaked one fd per
+                # sync on each side. The next handshake re-adds the same metadata, which NIXL accepts.
                 try:
                     agent.deregister_memory(self._reg)
                 except Exception:  # pragma: no cover - best effort
                     pass
         self._reg = None
-        self._remote = {}
-        self._remote_names = {}
         self._bufs = []
+        self._peer_may_write = False
 
     # -- data path ---------------------------------------------------------------------------
 
@@ -196,6 +264,8 @@ class NixlTransport(TcpControlledTransport):
                             still.append((ident, handle))
                     pending = still
                     if pending and time.monotonic() > deadline:
+                        # UCX may still read our buffer (and write theirs): never free it now
+                        self._peer_may_write = True
                         ranks = sorted(self._peers[i] for i, _ in pending)
                         raise self._timeout_error(
                             f"rollout rank(s) {ranks}", f"WRITE of bucket {message.bucket_index}"
