@@ -145,3 +145,27 @@ def test_nixl_survives_50_receiver_aborts_mid_write() -> None:
             cluster.call_all("finalize")
         result = cluster.sync(MODEL, seed=7)
         assert _digests(result) == [expected_digests(MODEL, 7)]
+
+
+IDLE_CPU = """
+import time
+start = time.process_time()
+time.sleep(3.0)
+result = time.process_time() - start
+"""
+
+
+@pytest.mark.timeout(HANG_TIMEOUT)
+def test_nixl_costs_no_cpu_between_syncs() -> None:
+    """Between syncs a nixl rank uses no CPU: the agent runs without NIXL's progress thread (which
+    spins for the agent's whole life: verl's own nixl engine burns more than a core idle here). The
+    sync before and after the idle window is exact, so UCX still progresses while a side waits."""
+    with _cluster("nixl", timeout_s=60) as cluster:
+        first = cluster.sync(MODEL, seed=1)
+        assert _digests(first) == [expected_digests(MODEL, 1)]
+        for i in (0, 1):
+            cluster.post(i, "exec", IDLE_CPU)
+        idle = [cluster.wait(i) for i in (0, 1)]
+        assert all(seconds < 0.3 for seconds in idle), f"CPU-seconds in 3 s idle: {idle}"
+        second = cluster.sync(MODEL, seed=2)
+        assert _digests(second) == [expected_digests(MODEL, 2)]

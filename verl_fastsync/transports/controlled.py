@@ -51,6 +51,10 @@ class ControlledTransport(BufferedTransport):
     """Double-bucket transport with a zmq control channel (see the module docstring)."""
 
     name: ClassVar[str] = "?"
+    progress_poll_s: ClassVar[float | None] = None
+    """While waiting for a control message, call :meth:`_progress` about this often (seconds);
+    ``None``: never. For transports whose data movement needs this side's help while it waits (NIXL
+    without a progress thread), so that nothing needs a thread spinning between syncs."""
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
@@ -144,7 +148,7 @@ class ControlledTransport(BufferedTransport):
     def _recv_msg(self, deadline: float, peer: str, detail: str = "") -> tuple[bytes | None, Message]:
         if self._channel is None:
             raise TransportError(f"{self.name} transport: control channel closed; {self.inflight.describe()}")
-        got = self._channel.recv(deadline)
+        got = self._recv_progressing(self._channel, deadline)
         if got is None:
             raise self._timeout_error(peer, detail)
         ident, data = got
@@ -153,6 +157,19 @@ class ControlledTransport(BufferedTransport):
             who = peer if message.rank is None else f"rank {message.rank}"
             raise self._abort_error(who, message.reason)
         return ident, message
+
+    def _recv_progressing(self, channel: ControlChannel, deadline: float) -> tuple[bytes | None, bytes] | None:
+        poll = self.progress_poll_s
+        if poll is None:
+            return channel.recv(deadline)
+        while True:
+            got = channel.recv(min(deadline, time.monotonic() + poll))
+            if got is not None or time.monotonic() >= deadline:
+                return got
+            self._progress()
+
+    def _progress(self) -> None:
+        """Drive this side's part of a data movement (see :attr:`progress_poll_s`)."""
 
     def _send_to(self, ident: bytes | None, message: Message) -> None:
         if self._channel is None:

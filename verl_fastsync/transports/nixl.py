@@ -56,6 +56,11 @@ class NixlTransport(TcpControlledTransport):
     """NIXL engine transport (see module docstring)."""
 
     name: ClassVar[str] = "nixl"
+    # No NIXL progress thread: it spins for the agent's whole life, burning a core between syncs on
+    # a host the rollout engine shares. UCX progresses instead while a side waits: the sender polls
+    # its WRITEs, a receiver polls the agent between control-channel checks (one-sided WRITEs over
+    # some UCX transports, TCP among them, complete only while the target progresses).
+    progress_poll_s: ClassVar[float | None] = 0.001
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
@@ -92,7 +97,9 @@ class NixlTransport(TcpControlledTransport):
                     "nixl transport needs the nixl package (pip install 'verl-fastsync[nixl]')"
                 ) from exc
             self._agent_name = f"fastsync-{self.role}-{self.rank}-{os.getpid()}-{secrets.token_hex(4)}"
-            self._agent = nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
+            self._agent = nixl_agent(
+                self._agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            )
         return self._agent
 
     def _allocate(self) -> None:
@@ -149,6 +156,11 @@ class NixlTransport(TcpControlledTransport):
 
     def _attach(self, welcome: Welcome) -> None:
         pass
+
+    def _progress(self) -> None:
+        agent = self._agent
+        if agent is not None and self._bufs:
+            agent.get_new_notifs()  # progresses the UCX workers (there is no progress thread)
 
     def _receive_done(self) -> None:
         # SyncEnd is sent only after every WRITE of the sync completed: nothing is in flight now
@@ -271,7 +283,7 @@ class NixlTransport(TcpControlledTransport):
                             f"rollout rank(s) {ranks}", f"WRITE of bucket {message.bucket_index}"
                         )
                     if pending:
-                        time.sleep(0.0002)  # leave the core to the UCX progress thread
+                        time.sleep(0.0002)  # check_xfer_state progresses UCX; don't spin a core
             finally:
                 for _ident, handle in handles:
                     try:
