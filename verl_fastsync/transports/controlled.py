@@ -158,7 +158,9 @@ class ControlledTransport(BufferedTransport):
             raise self._abort_error(who, message.reason)
         return ident, message
 
-    def _recv_progressing(self, channel: ControlChannel, deadline: float) -> tuple[bytes | None, bytes] | None:
+    def _recv_progressing(
+        self, channel: ControlChannel, deadline: float
+    ) -> tuple[bytes | None, bytes] | None:
         poll = self.progress_poll_s
         if poll is None:
             return channel.recv(deadline)
