@@ -25,11 +25,6 @@ DRIVER_TIMEOUT_S = {"dense": 660.0, "moe": 480.0}
 ENGINE_TRANSPORTS = ("shm", "gloo", "nixl")
 PRODUCERS = ("plain", "reuse", "restore")
 MIB = 1 << 20
-ISSUE_9 = (
-    "issue 9 (open): fastsync's colocated sender keeps references to yielded tensors until its bucket "
-    "closes, so a producer that reuses or restores memory - or the engine receiver's zero-copy views, "
-    "which it reuses for the next bucket - reaches vLLM as other bytes. verl's own path copies at yield."
-)
 
 
 def _skip_reason() -> str | None:
@@ -80,10 +75,9 @@ def _runs(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _assert_exact(rows: list[dict[str, Any]], total: int, known_issue: str | None = None) -> None:
+def _assert_exact(rows: list[dict[str, Any]], total: int) -> None:
     """Every sync ran, and left every vLLM parameter equal to the sent model and greedy generation
-    equal to transformers'. ``known_issue``: wrong bytes (only) are an expected failure, reported as
-    xfail with that reason; errors, hangs and anything else still fail."""
+    equal to transformers' - on every path and with every producer, adversarial ones included."""
     wrong = []
     for row in rows:
         where = f"{row.get('path', 'engine')} sync of model {row['model']} ({row['producer']} producer)"
@@ -95,8 +89,6 @@ def _assert_exact(rows: list[dict[str, Any]], total: int, known_issue: str | Non
                 f"{len(row['params_equal_previous_model'])} not updated, greedy {row['greedy']} vs "
                 f"transformers {row['greedy_want']}"
             )
-    if wrong and known_issue:
-        pytest.xfail(f"{known_issue} Observed: " + "; ".join(wrong))
     assert not wrong, "\n".join(wrong)
 
 
@@ -110,9 +102,7 @@ def test_colocated_sync_into_vllm_worker(
     result = _runs(request.getfixturevalue(kind))
     rows = [r for r in result["colocated"] if r["path"] == path and r["producer"] == producer]
     assert {r["model"] for r in rows} == {"A", "B"}, "each (path, producer) sends both models"
-    _assert_exact(
-        rows, result["params_total"], ISSUE_9 if path == "fastsync" and producer != "plain" else None
-    )
+    _assert_exact(rows, result["params_total"])
 
 
 def test_runs_cover_the_issue(dense: dict[str, Any], moe: dict[str, Any]) -> None:
@@ -151,4 +141,4 @@ def test_checkpoint_engine_into_vllm_worker(transport: str, dense: dict[str, Any
     for row in engine["syncs"]:
         assert row["send_metrics"]["fastsync/transfer/bytes"] == row["bytes"]
     assert not engine.get("finalize_errors"), engine.get("finalize_errors")
-    _assert_exact(engine["syncs"], result["params_total"], ISSUE_9)
+    _assert_exact(engine["syncs"], result["params_total"])

@@ -110,7 +110,12 @@ def _wrap(text: str, indent: str = "") -> list[str]:
     )
 
 
-_SHORT_BASE = {"memcpy": "memcpy", "raw gloo broadcast": "raw gloo", "raw nixl WRITE": "raw nixl"}
+_SHORT_BASE = {
+    "memcpy": "memcpy",
+    "raw gloo broadcast": "raw gloo",
+    "raw nixl WRITE": "raw nixl",
+    "fastsync engine shm": "copying",
+}
 
 
 def _ratio_cell(r: dict[str, Any]) -> str:

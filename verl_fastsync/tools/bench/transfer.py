@@ -55,6 +55,11 @@ def paths_for(transport: str) -> list[Path]:
                  "verl's BucketedWeightSender/Receiver(use_shm=True) with a CPU device module "
                  "standing in for the accelerator"),
             dataclasses.replace(fs_engine, baseline=MEMCPY),
+            Path("fastsync-engine-zero-copy", "fastsync engine shm zc", "fastsync", "engine",
+                 "fastsync engine shm",
+                 "the same with engine_kwargs.fastsync.zero_copy=true (opt-in: tensors are views into "
+                 "the bucket, valid until the next is requested); x baseline = what the safe default "
+                 "(a copy per received tensor: 'copying') costs"),
         ]  # fmt: skip
     if transport == "gloo":
         return [
@@ -107,7 +112,7 @@ def _unavailable(trial: Trial, has_cuda: bool) -> str | None:
         return NOT_AVAILABLE + "needs CUDA (torch.cuda.is_available() is False)"
     if trial.p.impl == "verl-nccl":
         return NOT_AVAILABLE + "the bench does not drive verl's NCCL engine (it needs Ray collective groups)"
-    if trial.p.impl == "fastsync-engine" and trial.transport not in available_transports("engine"):
+    if trial.p.impl.startswith("fastsync-engine") and trial.transport not in available_transports("engine"):
         return NOT_AVAILABLE + f"no fastsync engine transport {trial.transport!r} is registered on this host"
     if trial.p.impl == "fastsync-colocated" and trial.transport not in available_transports("colocated"):
         return (
@@ -342,7 +347,7 @@ class Runner:
         row["gbps"] = spec.nbytes / row["median_s"] / 1e9 if ok and row["median_s"] else None
         row["peak_sender_bytes"] = most("peak_sender")
         row["peak_receiver_bytes"] = most("peak_receiver")
-        if trial.p.impl == "fastsync-engine" and ok:
+        if trial.p.impl.startswith("fastsync-engine") and ok:
             import statistics
 
             row["setup_seconds"] = statistics.median(t["setup_seconds"] for t in timed)

@@ -57,13 +57,18 @@ class FastsyncEngine(baselines._Path):
     """A fastsync engine transport, created once per trial (the ``fastsync`` checkpoint engine makes
     its transport once) and taken through verl's per-sync lifecycle."""
 
+    zero_copy = False  # the engine's default: every received tensor is its own memory
+
     def __init__(self, role: str, trial: dict[str, Any]) -> None:
         from verl_fastsync.transports.base import TransportOptions
 
         self.role, self.trial = role, trial
         self.factory = engine_factory(trial["transport"])
         options = TransportOptions(
-            is_master=role == "sender", timeout_s=trial["timeout_s"], device=trial.get("device", "cpu")
+            is_master=role == "sender",
+            timeout_s=trial["timeout_s"],
+            device=trial.get("device", "cpu"),
+            zero_copy=self.zero_copy,
         )
         self.transport = self.factory(options)
         self.setup_seconds: float | None = None
@@ -136,8 +141,15 @@ class FastsyncColocated(baselines._Path):
         return {}
 
 
+class FastsyncEngineZeroCopy(FastsyncEngine):
+    """The same, receiving with ``zero_copy=True`` (the consumer copies each tensor at once)."""
+
+    zero_copy = True
+
+
 PATHS: dict[str, Any] = {
     "fastsync-engine": FastsyncEngine,
+    "fastsync-engine-zero-copy": FastsyncEngineZeroCopy,
     "fastsync-colocated": FastsyncColocated,
     "verl-colocated": baselines.VerlColocatedStandIn,
     "verl-gloo": baselines.VerlGlooReconstruction,
