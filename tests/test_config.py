@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from verl_fastsync import plugins
+from verl_fastsync import config, plugins
 from verl_fastsync.config import (
     FastsyncConfig,
     FastsyncConfigError,
@@ -92,3 +92,100 @@ def test_validate_names_lists_available() -> None:
     )
     with pytest.raises(FastsyncConfigError, match=r"colocated_transport='warp': unknown colocated transport"):
         validate_names(FastsyncConfig(enable=True, colocated_transport="warp"), pm)
+
+
+# -- the one rule of each size and timeout ------------------------------------------------------
+
+
+@pytest.mark.parametrize("good", [1, 0.5, 600.0])
+def test_validate_timeout_accepts_finite_positive_numbers(good: float) -> None:
+    assert config.validate_timeout(good) == float(good)
+    assert isinstance(config.validate_timeout(good), float)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        ("soon", TypeError, "t must be a number of seconds, got 'soon'"),
+        (True, TypeError, "t must be a number of seconds, got True"),
+        (None, TypeError, "t must be a number of seconds, got None"),
+        (0, ValueError, "t must be a finite number > 0 of seconds, got 0"),
+        (-1.5, ValueError, "t must be a finite number > 0 of seconds, got -1.5"),
+        (float("nan"), ValueError, "t must be a finite number > 0 of seconds, got nan"),
+        (float("inf"), ValueError, "t must be a finite number > 0 of seconds, got inf"),
+    ],
+)
+def test_validate_timeout_rejects(bad: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        config.validate_timeout(bad, "t")
+    assert str(info.value) == message
+
+
+def test_validate_bucket_size_bytes_and_mib() -> None:
+    assert config.validate_bucket_size(1) == 1
+    assert config.validate_bucket_size(0.5, mib=True) == 1 << 19
+    assert config.validate_bucket_size(2, "bucket_size_mb", mib=True) == 2 << 20
+    for bad, error in (
+        (0, ValueError),
+        (-3, ValueError),
+        (1.0, TypeError),
+        (True, TypeError),
+        ("8", TypeError),
+    ):
+        with pytest.raises(error, match="bucket_size must be a positive"):
+            config.validate_bucket_size(bad)
+    # MiB: anything but a finite number that comes to at least one byte, including 1e-9 MiB (0 bytes)
+    for bad in (0, -1, 1e-9, float("nan"), float("inf"), "64", True, None):
+        with pytest.raises(ValueError, match=r"bucket_size_mb must be a positive number of MiB, got"):
+            config.validate_bucket_size(bad, "bucket_size_mb", mib=True)
+
+
+def test_timeout_from_env() -> None:
+    assert config.timeout_from_env(None) is None and config.timeout_from_env("  ") is None
+    assert config.timeout_from_env("30") == 30.0
+    with pytest.raises(
+        ValueError, match=r"VERL_FASTSYNC_COLOCATED_TIMEOUT_S='soon' must be a positive number"
+    ):
+        config.timeout_from_env("soon")
+    with pytest.raises(ValueError, match=r"X='-1' must be a finite number > 0 of seconds"):
+        config.timeout_from_env("-1", "X")
+
+
+def test_each_rule_and_constant_is_defined_once() -> None:
+    from verl_fastsync import chunks, colocated
+    from verl_fastsync.chunks import meta
+    from verl_fastsync.colocated import protocol
+    from verl_fastsync.transports import base
+    from verl_fastsync.verl import startup
+
+    assert chunks.validate_bucket_size is meta.validate_bucket_size is config.validate_bucket_size
+    assert base.DEFAULT_TIMEOUT_S is colocated.DEFAULT_TIMEOUT_S is config.DEFAULT_TIMEOUT_S == 600.0
+    assert config.DEFAULT_ENGINE_TIMEOUT_S is config.DEFAULT_TIMEOUT_S
+    assert startup.OFF is protocol._OFF is config.COLOCATED_OFF
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "30", True])
+def test_every_timeout_goes_through_the_rule(bad: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl_fastsync.colocated import protocol
+    from verl_fastsync.transports import base
+
+    seen: list[object] = []
+
+    def spy(value: object, what: str = "timeout_s") -> float:
+        seen.append(value)
+        return real(value, what)
+
+    real = config.validate_timeout
+    monkeypatch.setattr(config, "validate_timeout", spy)
+    monkeypatch.setattr(base, "validate_timeout", spy)  # imported by name (the identity is checked above)
+    with pytest.raises(
+        FastsyncConfigError, match=f"{KEY}.timeout_s=.* is invalid; allowed: a finite number > 0"
+    ):
+        parse_fastsync_config({"timeout_s": bad})
+    with pytest.raises(ValueError, match="timeout_s must be a finite number > 0 of seconds"):
+        config.parse_engine_kwargs({"timeout_s": bad}, plugins.get_plugin_manager())
+    with pytest.raises(ValueError, match="timeout_s must be a"):
+        protocol._check_timeout(bad)
+    with pytest.raises((TypeError, ValueError), match="timeout_s must be a"):
+        base.TransportOptions(timeout_s=bad)
+    assert len(seen) == 4

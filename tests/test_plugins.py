@@ -124,6 +124,102 @@ def test_two_distributions_claiming_one_name_is_an_error(
     assert plugins.registry().transports["colocated"]["pigeon"].distribution == "fastsync-one 1.0"
 
 
+_REPLACE_LIGHT = """
+    from verl_fastsync import hookimpl
+
+    def mine(ctx):
+        return None
+
+    @hookimpl
+    def pre_resume_cleanup():
+        return {"light": mine}
+
+    @hookimpl
+    def weight_transport(kind):
+        return {"shm": lambda **kwargs: None} if kind == "colocated" else None
+    """
+
+
+def test_two_distributions_claiming_one_plugin_name_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # two distributions whose entry points share one name: pluggy holds one plugin per name, so
+    # loading only the first on sys.path would drop the other silently
+    for module in ("fastsync_claim_a", "fastsync_claim_b"):
+        root = tmp_path / module
+        root.mkdir()
+        write_plugin_dist(root, module, "", entry_name="fastsync_claimed")
+        monkeypatch.syspath_prepend(str(root))
+    with pytest.raises(plugins.PluginConflictError) as info:
+        plugins.registry()
+    message = str(info.value)
+    assert "the verl-fastsync plugin name 'fastsync_claimed' is claimed by two distributions" in message
+    assert "fastsync-claim-a 1.0 (fastsync_claim_a)" in message
+    assert "fastsync-claim-b 1.0 (fastsync_claim_b)" in message
+    # blocking the name leaves both out (nothing is loaded under it, so nothing is ambiguous)
+    assert "fastsync_claimed" not in plugins.hook_owners(plugins.get_plugin_manager(["fastsync_claimed"]))
+
+
+def test_one_distribution_found_twice_is_loaded_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = """
+        from verl_fastsync import hookimpl
+
+        @hookimpl
+        def post_transfer_cleanup():
+            return {"again": lambda ctx: None}
+        """
+    for where in ("site_a", "site_b"):  # the same distribution installed into two sys.path entries
+        root = tmp_path / where
+        root.mkdir()
+        write_plugin_dist(root, "fastsync_twice", source)
+        monkeypatch.syspath_prepend(str(root))
+    entry_points = plugins._entry_points()
+    mine = [ep for ep in entry_points if ep.name == "fastsync_twice"]
+    monkeypatch.setattr(plugins, "_entry_points", lambda: [*entry_points, *mine])  # seen twice
+    reg = plugins.registry()
+    assert reg.cleanup["post_transfer_cleanup"]["again"].distribution == "fastsync-twice 1.0"
+    assert plugins.hook_owners(reg)["post_transfer_cleanup"].count("fastsync_twice") == 1
+
+
+@pytest.mark.parametrize("builtin", plugins.BUILTIN_PLUGINS)
+def test_third_party_entry_point_named_like_a_builtin_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, builtin: str
+) -> None:
+    module = "fastsync_impostor_" + builtin.replace("-", "_")
+    root = tmp_path / module
+    root.mkdir()
+    write_plugin_dist(root, module, _REPLACE_LIGHT, entry_name=builtin)
+    monkeypatch.syspath_prepend(str(root))
+    with pytest.raises(plugins.PluginConflictError) as info:
+        plugins.registry()
+    message = str(info.value)
+    assert f"plugin entry point {builtin!r} ({module.replace('_', '-')} 1.0) is named like the built-in" in (
+        message
+    )
+    assert "rename the entry point" in message
+
+
+def test_replacing_a_builtin_name_is_logged_once_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _dist(tmp_path, monkeypatch, "fastsync_replacer", _REPLACE_LIGHT)
+    caplog.set_level("INFO", logger="verl_fastsync.plugins")
+    reg = plugins.registry()
+    assert reg.cleanup["pre_resume_cleanup"]["light"].distribution == "fastsync-replacer 1.0"
+    plugins.registry(["other"])  # a second registry of this process: nothing logged again
+    plugins.registry_of(plugins.get_plugin_manager())
+    lines = [r.getMessage() for r in caplog.records if r.name == "verl_fastsync.plugins"]
+    builtin = plugins.BUILTIN_DISTRIBUTION
+    assert sorted(lines) == [
+        "verl-fastsync: pre_resume_cleanup(): the built-in name 'light' (plugin 'fastsync-cleanup', "
+        f"{builtin}) is replaced by plugin 'fastsync_replacer' (fastsync-replacer 1.0)",
+        "verl-fastsync: weight_transport(kind='colocated'): the built-in name 'shm' (plugin "
+        f"'fastsync-transports', {builtin}) is replaced by plugin 'fastsync_replacer' "
+        "(fastsync-replacer 1.0)",
+    ]
+    assert all(r.levelname == "WARNING" for r in caplog.records if r.name == "verl_fastsync.plugins")
+
+
 def test_unknown_names_list_available(pm: pluggy.PluginManager) -> None:
     with pytest.raises(plugins.UnknownPluginNameError) as info:
         plugins.select_cleanup(pm, "pre_resume_cleanup", "turbo", key="k")

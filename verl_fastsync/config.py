@@ -11,6 +11,10 @@ Parsing is strict: an unknown key (a typo such as ``enabel``) or a value of the 
 with :class:`FastsyncConfigError`, naming the key, the value and what is allowed. Policy and
 transport *names* are checked against the registered plugins by :func:`validate_names`, which the
 adapter calls when a worker starts, so a bad name fails before the first sync.
+
+This module is also the one home of the rules every path shares (it imports nothing of the package
+and no torch, so every module can import it): :func:`validate_timeout`, :func:`validate_bucket_size`,
+:func:`timeout_from_env`, :data:`DEFAULT_TIMEOUT_S` and :data:`COLOCATED_OFF`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,55 @@ ENV_COLOCATED_TIMEOUT = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
 """Override of the default timeout (seconds) of every blocking wait of the colocated transfer."""
 ENV_COLOCATED_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
 """``1``: the colocated sender attaches an xxhash checksum to every chunk and the receiver checks it."""
+
+
+COLOCATED_OFF = frozenset({"", "0", "false", "off", "no"})
+"""Values of :data:`ENV_COLOCATED` (lower-cased, stripped) that leave verl's colocated transfer alone."""
+
+
+# -- the one rule of each size and timeout (torch-free, imported by every path that takes one) ---------
+
+
+def validate_timeout(value: object, what: str = "timeout_s") -> float:
+    """``value`` as seconds if it is a finite number > 0 (not a bool); else ``TypeError`` (not a
+    number) or ``ValueError``, both naming ``what``. Every timeout of the package goes through here."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a finite number > 0 of seconds, got {value!r}")
+    return float(value)
+
+
+def validate_bucket_size(bucket_size: object, what: str = "bucket_size", *, mib: bool = False) -> int:
+    """A bucket size in bytes: ``bucket_size`` if it is a positive int (not a bool), else ``TypeError``
+    / ``ValueError`` naming ``what``. With ``mib=True`` ``bucket_size`` is a finite number of MiB
+    (verl's ``bucket_size_mb``), converted to bytes, which must come to at least one byte; anything
+    else is a ``ValueError``. Every bucket size of the package goes through here."""
+    if mib:
+        size = 0
+        if isinstance(bucket_size, int | float) and not isinstance(bucket_size, bool):
+            if math.isfinite(bucket_size) and bucket_size > 0:
+                size = int(bucket_size * (1 << 20))
+        if size <= 0:
+            raise ValueError(f"{what} must be a positive number of MiB, got {bucket_size!r}")
+        return size
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
+        raise TypeError(f"{what} must be a positive int (bytes), got {bucket_size!r}")
+    if bucket_size <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes, got {bucket_size}")
+    return bucket_size
+
+
+def timeout_from_env(raw: str | None, what: str = ENV_COLOCATED_TIMEOUT) -> float | None:
+    """The timeout an environment variable holds (``None`` when unset or blank), checked by
+    :func:`validate_timeout`; ``ValueError`` naming ``what`` and the raw text otherwise."""
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{what}={raw!r} must be a positive number of seconds") from None
+    return validate_timeout(value, f"{what}={raw!r}")
 
 
 class FastsyncConfigError(ValueError):
@@ -148,7 +201,10 @@ def parse_fastsync_config(raw: Mapping[str, Any] | None) -> FastsyncConfig:
         elif field == "adaptive_headroom_gib":
             values[field] = _as_number(field, value, 0.0, inclusive=True)
         elif field == "timeout_s":
-            values[field] = _as_number(field, value, 0.0, inclusive=False)
+            try:
+                values[field] = validate_timeout(value, field)
+            except (TypeError, ValueError):
+                raise _error(field, value, "a finite number > 0") from None
         elif field == "disabled_plugins":
             values[field] = _as_names(field, value)
     return FastsyncConfig(**values)
@@ -223,17 +279,17 @@ def parse_bucket_bytes(value: object, key: str = "engine_kwargs.fastsync.bucket_
         raise ValueError(
             f"{key}={value!r}: expected a positive number of bytes, a size like '64MiB', or 'auto'"
         )
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{key}={value}: the bucket size must be > 0 bytes (or 'auto')")
-        return value
+    size: object = value
     if isinstance(value, str):
         match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+        size = None
         if match and match.group(2).lower() in _UNITS:
             size = int(match.group(1)) * _UNITS[match.group(2).lower()]
-            if size <= 0:
-                raise ValueError(f"{key}={value!r}: the bucket size must be > 0 bytes (or 'auto')")
-            return size
+    if isinstance(size, int):
+        try:
+            return validate_bucket_size(size, key)
+        except ValueError:
+            raise ValueError(f"{key}={value!r}: the bucket size must be > 0 bytes (or 'auto')") from None
     raise ValueError(
         f"{key}={value!r}: not a bucket size; use a positive int (bytes), a size such as '64MiB' "
         "(units B, KiB, MiB, GiB, KB, MB, GB) or 'auto'"
@@ -288,13 +344,13 @@ def parse_engine_kwargs(raw: Mapping[str, Any] | None, registry: Any = None) -> 
             raise EngineKwargsError(str(exc)) from exc
         values["bucket_bytes"], values["bucket_auto"] = size, size is None
     if "timeout_s" in raw:
-        value = raw["timeout_s"]
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value <= 0:
+        try:
+            values["timeout_s"] = validate_timeout(raw["timeout_s"])
+        except (TypeError, ValueError):
             raise EngineKwargsError(
-                f"{where}.timeout_s={value!r} is invalid: timeout_s must be a finite number > 0 of seconds"
-            )
-        values["timeout_s"] = float(value)
+                f"{where}.timeout_s={raw['timeout_s']!r} is invalid: timeout_s must be a finite number > 0 "
+                "of seconds"
+            ) from None
     for flag in ("verify", "zero_copy", "align_experts"):
         if flag in raw:
             try:

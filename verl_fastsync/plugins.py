@@ -8,9 +8,13 @@ Then every hook of every plugin is called once, per plugin, and the ``{name: imp
 mappings are merged into a :class:`Registry`:
 
 * a built-in name provided by a third party is *replaced* (allowed; :attr:`Provided.replaced` keeps
-  what was replaced, and doctor shows it);
+  what was replaced, doctor shows it, and building the registry logs one warning per replaced name,
+  once per process);
 * one name provided by two third-party plugins is a :class:`PluginConflictError` naming both
   distributions (no silent shadowing by install order);
+* so is one *plugin* (entry-point) name claimed by two distributions, and an entry point named like a
+  built-in plugin (:data:`BUILTIN_PLUGINS`): pluggy keeps one plugin per name, so either would drop
+  one of them silently, by ``sys.path`` order. The same distribution seen twice is loaded once;
 * every returned object is type-checked once, here, at start;
 * a plugin written for the 0.1 hook shape (appending to ``available``) fails with a
   :class:`PluginShapeError` that says how to migrate.
@@ -23,6 +27,7 @@ reaches every verl process - checkpoint-engine workers and vLLM workers never se
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -35,6 +40,8 @@ from verl_fastsync import NAME, __version__, hookspecs
 if TYPE_CHECKING:
     from verl_fastsync.cleanup import CleanupPolicy
     from verl_fastsync.transports.base import TransportFactory
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_CLEANUP = "fastsync-cleanup"
 BUILTIN_TRANSPORTS = "fastsync-transports"
@@ -62,7 +69,8 @@ class PluginHookError(RuntimeError):
 
 
 class PluginConflictError(PluginHookError):
-    """Two third-party distributions provide the same name for the same hook."""
+    """Two third-party distributions provide the same name for the same hook, or claim the same
+    plugin (entry-point) name, or a third-party entry point is named like a built-in plugin."""
 
 
 class PluginShapeError(PluginHookError):
@@ -101,6 +109,39 @@ def _distribution_of(ep: Any) -> str:
     if dist is None:
         return f"entry point {ep.name} = {ep.value}"
     return f"{dist.metadata['Name']} {dist.version}"
+
+
+def _identity(ep: Any) -> tuple[str, str]:
+    """What makes two entry points of one name the same plugin: its distribution's (normalized)
+    name, and what the entry point loads."""
+    dist = getattr(ep, "dist", None)
+    name = "" if dist is None else str(dist.metadata["Name"]).lower().replace("_", "-").replace(".", "-")
+    return name, str(ep.value)
+
+
+def _check_claim(ep: Any, claimed: dict[str, Any]) -> bool:
+    """Whether ``ep`` is a new plugin name (True), the same distribution's entry point seen again (False:
+    skip it), or raise :class:`PluginConflictError` for a name that is a built-in's or another
+    distribution's."""
+    if ep.name in BUILTIN_PLUGINS:
+        raise PluginConflictError(
+            f"verl-fastsync plugin entry point {ep.name!r} ({_distribution_of(ep)}) is named like the "
+            f"built-in plugin {ep.name!r} ({BUILTIN_DISTRIBUTION}), and only one plugin can hold a name; "
+            f"rename the entry point (e.g. to a name of its own distribution) or uninstall it. To replace "
+            f"a built-in policy or transport, a plugin of any other name returns the built-in's name"
+        )
+    first = claimed.get(ep.name)
+    if first is None:
+        claimed[ep.name] = ep
+        return True
+    if _identity(first) == _identity(ep):
+        return False  # one distribution found twice on sys.path (a re-install): loaded once
+    raise PluginConflictError(
+        f"the verl-fastsync plugin name {ep.name!r} is claimed by two distributions: "
+        f"{_distribution_of(first)} ({first.value}) and {_distribution_of(ep)} ({ep.value}); only one "
+        f"plugin can hold a name, and which one would depend on sys.path order: uninstall one, or "
+        f"rename one's entry point ({ENV_DISABLED}={ep.name} blocks both)"
+    )
 
 
 def _check_shape(plugin: Any, plugin_name: str, distribution: str) -> None:
@@ -144,8 +185,11 @@ def get_plugin_manager(blocked: Iterable[str] = ()) -> pluggy.PluginManager:
     for name in (*blocked, *blocked_from_env()):
         pm.set_blocked(name)
     distributions: dict[str, str] = {name: BUILTIN_DISTRIBUTION for name in BUILTIN_PLUGINS}
+    claimed: dict[str, Any] = {}
     for ep in _entry_points():
-        if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+        if pm.is_blocked(ep.name):  # blocked: nothing of that name loads, whoever claims it
+            continue
+        if not _check_claim(ep, claimed):
             continue
         distribution = _distribution_of(ep)
         try:
@@ -182,6 +226,23 @@ class Registry:
             kind: self._merge("weight_transport", {"kind": kind}, _TRANSPORT_CHECKS[kind])
             for kind in TRANSPORT_KINDS
         }
+        self._show_replaced()
+
+    def _show_replaced(self) -> None:
+        """One warning per built-in name a third party replaced (once per process, see :func:`reset`)."""
+        tables = [(f"{b}()", self.cleanup[b]) for b in BOUNDARIES]
+        tables += [(f"weight_transport(kind={kind!r})", self.transports[kind]) for kind in TRANSPORT_KINDS]
+        for hook, table in tables:
+            for new in table.values():
+                old, key = new.replaced, (hook, new.name, new.plugin, new.distribution)
+                with _SHOWN_LOCK:
+                    if old is None or key in _SHOWN:
+                        continue
+                    _SHOWN.add(key)
+                logger.warning(
+                    "verl-fastsync: %s: the built-in name %r (plugin %r, %s) is replaced by plugin %r (%s)",
+                    *(hook, new.name, old.plugin, old.distribution, new.plugin, new.distribution),
+                )
 
     def distribution(self, plugin: str) -> str:
         return self.distributions.get(plugin, f"plugin {plugin!r} registered directly")
@@ -341,6 +402,9 @@ _TRANSPORT_CHECKS: dict[str, Callable[[Any], str | None]] = {
 _LOCK = threading.Lock()
 _PROCESS: dict[tuple[str, ...], Registry] = {}
 _BY_MANAGER: dict[int, Registry] = {}
+_SHOWN: set[tuple[str, str, str, str]] = set()
+"""The replaced built-in names already logged in this process (hook, name, plugin, distribution)."""
+_SHOWN_LOCK = threading.Lock()  # not _LOCK: a registry is built while registry() holds that one
 
 
 def registry(blocked: Iterable[str] = ()) -> Registry:
@@ -366,6 +430,8 @@ def reset() -> None:
     with _LOCK:
         _PROCESS.clear()
         _BY_MANAGER.clear()
+    with _SHOWN_LOCK:
+        _SHOWN.clear()
 
 
 def registry_of(pm_or_registry: pluggy.PluginManager | Registry) -> Registry:

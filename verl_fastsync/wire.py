@@ -1,12 +1,13 @@
-"""Control-channel messages of the engine transports: typed, versioned msgspec structs (msgpack).
+"""Every control message of verl-fastsync: typed, versioned msgspec structs (msgpack), one module.
 
 Never pickle. Every message carries ``schema_version``; :func:`check_version` reads it *before*
 decoding the rest, so a peer speaking another version gets a :class:`WireVersionError` naming both
-versions instead of a confusing field error. One rule for every message family (engine here, the
-colocated path through :class:`Codec`): a missing ``schema_version`` is version 0, and any version
-other than this side's is rejected.
+versions instead of a confusing field error. One rule for every message family (the engine
+transports', the colocated path's and the SGLang pull request), and for the
+:class:`~verl_fastsync.chunks.ChunkMeta` a bucket message carries: a missing ``schema_version`` is
+version 0, and any version other than this side's is rejected.
 
-Messages (tagged union, tag field ``type``):
+The engine transports' messages (tagged union :data:`Message`, tag field ``type``):
 
 * :class:`Hello` - a receiver introduces itself to the sender (rank, host, protocol version).
 * :class:`PeerBuffers` - the same for RDMA-style transports (NIXL): agent metadata and the
@@ -18,16 +19,18 @@ Messages (tagged union, tag field ``type``):
 * :class:`SyncEnd` - the sender has sent every bucket (totals for cross-checking).
 * :class:`Abort` - a side failed; ``reason`` says why (the peer raises with it).
 
-The colocated path's messages (``Colocated*``, :data:`COLOCATED_CODEC`) are at the end of this module.
+The colocated path's messages (``Colocated*``, :data:`COLOCATED_CODEC`) and the SGLang loader's
+:class:`PullRequest` (same version, :func:`encode_pull_request` / :func:`decode_pull_request`) are at
+the end of this module.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Union, get_args
 
 import msgspec
 
-from verl_fastsync.chunks import ChunkMeta
+from verl_fastsync.chunks import CHUNK_SCHEMA_VERSION, ChunkMeta
 
 __all__ = [
     "COLOCATED_CODEC",
@@ -49,14 +52,18 @@ __all__ = [
     "IpcHandle",
     "Message",
     "PeerBuffers",
+    "PullRequest",
     "SlotDesc",
     "SyncEnd",
     "Welcome",
     "WireError",
     "WireVersionError",
+    "check_chunk_versions",
     "check_version",
     "decode",
+    "decode_pull_request",
     "encode",
+    "encode_pull_request",
 ]
 
 WIRE_SCHEMA_VERSION = 1
@@ -158,14 +165,49 @@ def check_version(
         probe = _probe.decode(data)
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable control message from {peer}: {exc}") from exc
-    version = 0 if probe.schema_version is None else probe.schema_version
-    if version != expected:
-        missing = " (no schema_version: treated as 0)" if probe.schema_version is None else ""
-        raise WireVersionError(
-            f"incompatible verl-fastsync wire schema: {peer} sent version {version}{missing}, "
-            f"this side speaks version {expected}; install the same verl-fastsync on both sides"
-        )
+    _refuse_other_version(probe.schema_version, expected, f"wire schema: {peer} sent")
     return probe.type
+
+
+def _refuse_other_version(sent: int | None, expected: int, what: str) -> None:
+    """The one version rule: a missing version is 0, and any version but ``expected`` is refused."""
+    version = 0 if sent is None else sent
+    if version != expected:
+        missing = " (no schema_version: treated as 0)" if sent is None else ""
+        raise WireVersionError(
+            f"incompatible verl-fastsync {what} version {version}{missing}, this side speaks version "
+            f"{expected}; install the same verl-fastsync on both sides"
+        )
+
+
+class _ChunkProbe(msgspec.Struct):
+    schema_version: int | None = None
+    name: str = "?"
+
+
+class _ChunksProbe(msgspec.Struct):
+    chunks: list[_ChunkProbe] = []
+
+
+_chunks_probe = msgspec.msgpack.Decoder(_ChunksProbe)
+
+
+def check_chunk_versions(data: bytes | memoryview, *, peer: str = "peer") -> None:
+    """The same rule for the :class:`~verl_fastsync.chunks.ChunkMeta` a message carries (``chunks``):
+    ``ChunkMeta.schema_version`` defaults to the current version when a chunk is built in this
+    process, so a chunk decoded without one would pass as current; read before decoding, it is
+    version 0 and refused like any other version. A message whose ``chunks`` cannot even be probed
+    is left to the decoder (which reports it malformed)."""
+    try:
+        probe = _chunks_probe.decode(data)
+    except msgspec.DecodeError:
+        return
+    for chunk in probe.chunks:
+        _refuse_other_version(
+            chunk.schema_version,
+            CHUNK_SCHEMA_VERSION,
+            f"chunk schema: {peer} sent a chunk of tensor {chunk.name!r} with",
+        )
 
 
 class Codec:
@@ -179,12 +221,18 @@ class Codec:
         self.version = version
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(union)
+        # the tags of the messages that carry chunks (only those are probed for chunk versions)
+        self._chunk_tags = {
+            cls.__struct_config__.tag for cls in get_args(union) if "chunks" in cls.__struct_fields__
+        }
 
     def encode(self, message: Any) -> bytes:
         return self._encoder.encode(message)
 
     def decode(self, data: bytes | memoryview, *, peer: str = "peer") -> Any:
         kind = check_version(data, peer=peer, expected=self.version)
+        if kind in self._chunk_tags:
+            check_chunk_versions(data, peer=peer)
         try:
             return self._decoder.decode(data)
         except msgspec.DecodeError as exc:
@@ -285,3 +333,29 @@ ColocatedMessage = Union[  # noqa: UP007
     ColocatedReady, ColocatedHello, ColocatedHelloAck, ColocatedBucket, ColocatedAck, ColocatedAbort
 ]
 COLOCATED_CODEC = Codec(ColocatedMessage, version=COLOCATED_SCHEMA_VERSION)
+
+
+# -- the SGLang loader (verl_fastsync.colocated.sglang): one marker tensor per TP worker -------------
+
+
+class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Trainer -> one SGLang TP worker, inside SGLang's ``update_weights_from_tensor`` request: the
+    endpoint to pull its weights from (untagged; colocated schema version)."""
+
+    zmq_handle: str
+    timeout_s: float
+    schema_version: int = COLOCATED_SCHEMA_VERSION
+
+
+def encode_pull_request(request: PullRequest) -> bytes:
+    """Serialize a :class:`PullRequest` (msgpack)."""
+    return msgspec.msgpack.encode(request)
+
+
+def decode_pull_request(data: bytes | memoryview, *, peer: str = "peer") -> PullRequest:
+    """Decode a :class:`PullRequest` (:func:`check_version` first); :class:`WireError` otherwise."""
+    check_version(data, peer=peer, expected=COLOCATED_SCHEMA_VERSION)
+    try:
+        return msgspec.msgpack.decode(data, type=PullRequest)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"malformed pull request from {peer}: {exc}") from exc

@@ -117,6 +117,9 @@ class Assembler:
         self.total_bytes = 0
 
     def _validate(self, meta: ChunkMeta, data: torch.Tensor) -> torch.dtype:
+        # ``schema_version`` defaults to the current version for a ChunkMeta built in this process, so
+        # this check alone cannot see a *missing* version; a chunk from a peer is decoded only after
+        # verl_fastsync.wire.check_chunk_versions, which refuses it as version 0 (the wire rule)
         if meta.schema_version != CHUNK_SCHEMA_VERSION:
             raise ChunkMismatchError(
                 f"chunk of tensor {meta.name!r} has chunk schema version {meta.schema_version}, "

@@ -7,13 +7,17 @@ chunk's bytes start in its bucket), ``tensor_index`` (order of the tensor in the
 xxhash ``checksum`` (``int | None``, the only optional field).
 
 Errors are :class:`ChunkError` (a ``ValueError``) subclasses; non-tensor values raise ``TypeError``.
-Imports torch, numpy and msgspec only (no verl, no device runtime).
+Imports torch, numpy and msgspec only (no verl, no device runtime); :func:`validate_bucket_size` is
+:func:`verl_fastsync.config.validate_bucket_size` (the one bucket-size rule, torch-free).
 """
 
 from __future__ import annotations
 
 import msgspec
 import torch
+
+# the one bucket-size rule lives with the other torch-free rules (the config parser needs it too)
+from verl_fastsync.config import validate_bucket_size
 
 try:  # numpy ships with every verl install; without it host copies fall back to torch
     import numpy as np
@@ -170,15 +174,6 @@ def leading_slice_bytes(tensor: torch.Tensor) -> int:
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         return max(1, tensor.numel() * tensor.element_size())
     return (tensor.numel() // tensor.shape[0]) * tensor.element_size()
-
-
-def validate_bucket_size(bucket_size: object) -> int:
-    """Return ``bucket_size`` if it is a positive int, else raise ``ValueError``/``TypeError``."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
-        raise TypeError(f"bucket_size must be a positive int (bytes), got {bucket_size!r}")
-    if bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
-    return bucket_size
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

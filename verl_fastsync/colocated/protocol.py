@@ -3,7 +3,6 @@ colocated path."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from typing import Any
@@ -27,7 +26,7 @@ DEFAULT_TIMEOUT_S = config.DEFAULT_TIMEOUT_S
 
 METRIC_PREFIX = "fastsync/colocated/"
 
-_OFF = frozenset({"", "0", "false", "off", "no"})
+_OFF = config.COLOCATED_OFF
 _ON = frozenset({"1", "true", "on", "yes", "auto"})
 
 
@@ -94,16 +93,8 @@ def colocated_transport_name(use_shm: bool, environ: Any = None) -> str | None:
 
 
 def _default_timeout() -> float:
-    raw = os.environ.get(ENV_TIMEOUT)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive, finite number of seconds")
-    return value
+    value = config.timeout_from_env(os.environ.get(ENV_TIMEOUT), ENV_TIMEOUT)
+    return DEFAULT_TIMEOUT_S if value is None else value
 
 
 def _env_flag(name: str) -> bool:
@@ -113,10 +104,7 @@ def _env_flag(name: str) -> bool:
 def _check_timeout(timeout_s: float | None) -> float:
     if timeout_s is None:
         return _default_timeout()
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, int | float)
-        or not (math.isfinite(timeout_s) and timeout_s > 0)
-    ):
-        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
-    return float(timeout_s)
+    try:
+        return config.validate_timeout(timeout_s)
+    except TypeError as exc:  # the colocated path has always raised ValueError for every bad timeout
+        raise ValueError(str(exc)) from None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 import uuid
@@ -36,6 +35,7 @@ from verl_fastsync.colocated.protocol import (
     colocated_transport_name,
 )
 from verl_fastsync.colocated.slots import _LAST_METRICS, NUM_SLOTS, _sender_slots, _SenderSlots
+from verl_fastsync.config import validate_bucket_size
 from verl_fastsync.io.fence import synchronize_device
 
 logger = logging.getLogger(__name__)
@@ -75,15 +75,9 @@ class ColocatedSender:
         memory: SlotMemory | None = None,
         event_hook: EventHook | None = None,
     ) -> None:
-        if (
-            isinstance(bucket_size_mb, bool)
-            or not isinstance(bucket_size_mb, int | float)
-            or not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0)
-        ):
-            raise ValueError(f"bucket_size_mb must be a positive number of MiB, got {bucket_size_mb!r}")
+        self.bucket_size = validate_bucket_size(bucket_size_mb, "bucket_size_mb", mib=True)
         self.zmq_handle = zmq_handle
         self.bucket_size_mb = bucket_size_mb
-        self.bucket_size = int(bucket_size_mb * (1 << 20))
         self.use_shm = bool(use_shm)
         name = transport or colocated_transport_name(self.use_shm) or ("shm" if self.use_shm else "ipc")
         self.transport = memory.name if memory is not None else name

@@ -30,11 +30,15 @@ import asyncio
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any
 
-import msgspec
 import torch
 
-from verl_fastsync.colocated import SCHEMA_VERSION, ColocatedProtocolError, ColocatedReceiver, ColocatedSender
-from verl_fastsync.wire import WireError, check_version
+from verl_fastsync.colocated import (
+    DEFAULT_TIMEOUT_S,
+    ColocatedProtocolError,
+    ColocatedReceiver,
+    ColocatedSender,
+)
+from verl_fastsync.wire import PullRequest, WireError, decode_pull_request, encode_pull_request
 
 __all__ = [
     "MARKER_NAME",
@@ -50,20 +54,13 @@ SGLANG_LOADER_FQN = "verl_fastsync.colocated.sglang.sglang_fastsync_loader"
 """``load_format`` of the ``update_weights_from_tensor`` request: SGLang imports and calls it."""
 
 MARKER_NAME = "__verl_fastsync_colocated_pull__"
-"""Name of the marker tensor that carries a :class:`PullRequest` through SGLang's request."""
-
-
-class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """What one SGLang TP worker needs to pull its weights."""
-
-    zmq_handle: str
-    timeout_s: float
-    schema_version: int = SCHEMA_VERSION
+"""Name of the marker tensor that carries a :class:`PullRequest` through SGLang's request
+(:class:`PullRequest` is :class:`verl_fastsync.wire.PullRequest`, with every other control message)."""
 
 
 def pull_request_tensor(zmq_handle: str, timeout_s: float) -> tuple[str, torch.Tensor]:
     """The ``(name, tensor)`` marker to put in a rank's ``serialized_named_tensors``."""
-    data = msgspec.msgpack.encode(PullRequest(zmq_handle=zmq_handle, timeout_s=float(timeout_s)))
+    data = encode_pull_request(PullRequest(zmq_handle=zmq_handle, timeout_s=float(timeout_s)))
     return MARKER_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 
@@ -76,11 +73,9 @@ def read_pull_request(named_tensors: Iterable[tuple[str, Any]]) -> PullRequest:
         raw = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
         data = raw.cpu().numpy().tobytes()
         try:  # the one version rule of every control message
-            check_version(data, peer="the trainer's pull request", expected=SCHEMA_VERSION)
-            request = msgspec.msgpack.decode(data, type=PullRequest)
-        except (WireError, msgspec.DecodeError) as exc:
+            return decode_pull_request(data, peer="the trainer's pull request")
+        except WireError as exc:
             raise ColocatedProtocolError(f"verl-fastsync SGLang loader: {exc}") from None
-        return request
     names = [name for name, _ in items][:4]
     raise ColocatedProtocolError(
         f"verl-fastsync SGLang loader: no {MARKER_NAME!r} tensor in the request (got {names}); it was "
@@ -118,7 +113,7 @@ async def sglang_update_weights(
     zmq_handle: str,
     tp_zmq_handles: Sequence[str] | None,
     bucket_size_mb: float,
-    timeout_s: float = 600.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     flush_cache: bool = True,
     transport: str = "ipc",
 ) -> None:

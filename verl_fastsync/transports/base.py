@@ -42,7 +42,6 @@ buckets of views to a transport cannot own the bytes).
 from __future__ import annotations
 
 import importlib
-import math
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
@@ -52,6 +51,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from verl_fastsync.chunks import AlignSpec
+from verl_fastsync.config import DEFAULT_TIMEOUT_S, validate_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -80,9 +80,6 @@ def default_host() -> str:
 
 TransportFactory = Callable[..., Any]
 """What the ``weight_transport`` hook returns (see the module docstring for each kind)."""
-
-DEFAULT_TIMEOUT_S = 600.0
-"""Default for every blocking wait of an engine transport, in seconds."""
 
 SENDER_RANK = 0
 """Rank of trainer rank 0 in every transfer group; rollout ranks are ``1..world_size-1``."""
@@ -122,10 +119,7 @@ class TransportOptions:
     """The transport's own ``engine_kwargs.fastsync`` options (its ``engine_options``), validated."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
-            raise TypeError(f"timeout_s must be a number of seconds, got {self.timeout_s!r}")
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number > 0 of seconds, got {self.timeout_s}")
+        self.timeout_s = validate_timeout(self.timeout_s)
 
 
 @dataclass

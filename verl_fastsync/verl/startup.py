@@ -13,20 +13,23 @@ from typing import Any
 
 from verl_fastsync import plugins
 from verl_fastsync.config import (
+    COLOCATED_OFF,
     DEFAULT_TIMEOUT_S,
     ENV_COLOCATED,
     ENV_COLOCATED_TIMEOUT,
     ENV_COLOCATED_VERIFY,
     FastsyncConfig,
     FastsyncConfigError,
+    timeout_from_env,
 )
 from verl_fastsync.verl import importhook
 
 ENV_ROUTE = "+ray_kwargs.ray_init.runtime_env.env_vars"
 """Hydra prefix of an environment variable every verl process (Ray actor, vLLM worker) sees."""
 
-OFF = frozenset({"", "0", "false", "off", "no"})
-"""Values of :data:`~verl_fastsync.config.ENV_COLOCATED` that leave verl's colocated transfer alone."""
+OFF = COLOCATED_OFF
+"""Values of :data:`~verl_fastsync.config.ENV_COLOCATED` that leave verl's colocated transfer alone
+(:data:`verl_fastsync.config.COLOCATED_OFF`)."""
 
 
 def env_hint(name: str, value: str) -> str:
@@ -115,9 +118,9 @@ def check_colocated_switch(config: FastsyncConfig, environ: Any) -> None:
                 f"({why}); use colocated_transport=shm (with {ENV_COLOCATED}=shm)"
             )
     env_timeout = str(environ.get(ENV_COLOCATED_TIMEOUT, "")).strip()
-    try:
-        receiver_timeout = float(env_timeout) if env_timeout else None
-    except ValueError:
+    try:  # the receivers' own reading of the variable (verl_fastsync.colocated.protocol)
+        receiver_timeout = timeout_from_env(env_timeout)
+    except ValueError:  # not a valid timeout: reported as disagreeing, with the value to set
         receiver_timeout = -1.0
     if receiver_timeout != config.timeout_s and not (
         receiver_timeout is None and config.timeout_s == DEFAULT_TIMEOUT_S
