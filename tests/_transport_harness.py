@@ -184,15 +184,24 @@ class _Worker:
         producer = extra.get("producer", "list")
         model = list(iter_model(specs, seed)) if producer != "lazy" else []
         die_after = extra.get("die_after")
+        raise_after = extra.get("raise_after")
+
+        def fail(i: int) -> None:
+            """``extra["raise_after"]``: the producer raises once it has yielded that many tensors
+            (the message carries the wall-clock time of the raise, for timing the abort path)."""
+            if raise_after is not None and i >= raise_after:
+                raise RuntimeError(f"producer failed on purpose after {i} tensors at t={time.time():.6f}")
 
         def gen() -> Any:
             for i, item in enumerate(model):
                 if die_after is not None and i >= die_after:
                     os._exit(17)
+                fail(i)
                 yield item
 
         def lazy() -> Any:
             for i, spec in enumerate(specs):
+                fail(i)
                 yield spec.name, build_tensor(spec, seed * 100003 + i)
 
         def staging() -> Any:
@@ -255,6 +264,13 @@ class _Worker:
                     os._exit(17)
                 if extra.get("raise_after") is not None and len(digests) >= extra["raise_after"]:
                     raise RuntimeError(f"consumer failed on purpose after {len(digests)} tensors")
+                # a stuck consumer: ``stall_s`` seconds after its first tensor, or a mapping
+                # {tensors handled: seconds} to stall more than once; blocks the loop like a stuck load
+                stalls = extra.get("stall_s") or {}
+                if not isinstance(stalls, dict):
+                    stalls = {1: stalls}
+                if stalls.get(len(digests)):
+                    time.sleep(stalls[len(digests)])
                 if extra.get("hold"):
                     held.append((name, tensor))  # batches everything, loads at the end (SGLang)
                     digests.append((name,))

@@ -128,3 +128,54 @@ def test_chunks_start_aligned() -> None:
     named = [(f"t{i}", torch.ones(i + 1, dtype=torch.uint8)) for i in range(20)]
     for bucket in plan_buckets(named, 128):
         assert all(m.bucket_offset % BUCKET_ALIGN == 0 for m in bucket.metas)
+
+
+class _RecordingFence:
+    """Stands in for :class:`~verl_fastsync.io.fence.DeviceFence`: records notes and waits in order."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def note(self, *tensors: torch.Tensor) -> None:
+        self.log.append("note:" + ">".join(t.device.type for t in tensors))
+
+    def wait(self) -> None:
+        self.log.append("wait")
+
+
+@pytest.mark.parametrize("dst_device", ["meta", "cpu"])
+def test_host_source_into_device_bucket_is_fenced_before_add_returns(dst_device: str) -> None:
+    """A host source copied into a device bucket (non_blocking, e.g. from a pinned staging buffer) is
+    complete when ``add`` returns, since the producer may refill that host buffer right away; a
+    host -> host copy (a synchronous memcpy) waits for nothing until its bucket closes. ("meta"
+    stands in for an accelerator: any non-CPU destination takes the device copy path.)"""
+    log: list[str] = []
+    planner = BucketPlanner(
+        1024, acquire=lambda index: torch.empty(1024, dtype=torch.uint8, device=dst_device)
+    )
+    planner._fence = _RecordingFence(log)  # type: ignore[assignment]
+    staging = torch.ones(64, dtype=torch.float32)  # 256 bytes: the bucket stays open
+    assert planner.add("w0", staging) == []
+    after_copy = [f"note:cpu>{dst_device}"] + ([] if dst_device == "cpu" else ["wait"])
+    if dst_device == "cpu":
+        assert log == after_copy == ["note:cpu>cpu"], "a host -> host copy must not wait per tensor"
+    else:
+        assert log == after_copy, "add returned before the host -> device copy was complete"
+    log.clear()
+    planner.add("w1", torch.ones(900, dtype=torch.uint8))  # does not fit: bucket 0 closes first
+    assert log == ["wait", *after_copy]
+    log.clear()
+    buckets_before, chunks_before = planner.num_buckets, planner.num_chunks
+    planner.add("big", torch.ones(2500, dtype=torch.uint8))  # split over several buckets
+    closed, chunks = planner.num_buckets - buckets_before, planner.num_chunks - chunks_before
+    assert chunks >= 3 and closed >= 2
+    notes = [i for i, entry in enumerate(log) if entry.startswith("note:")]
+    assert len(notes) == chunks
+    if dst_device == "cpu":
+        assert log.count("wait") == closed  # the bucket fences only
+    else:
+        assert all(log[i + 1] == "wait" for i in notes), log  # every chunk fenced at once
+        assert log.count("wait") == closed + chunks
+    log.clear()
+    planner.finish()
+    assert log == ["wait"]  # the per-bucket fence still runs at close

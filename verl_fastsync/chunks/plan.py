@@ -23,9 +23,12 @@ Ownership of bytes
 :meth:`BucketPlanner.add` copies the tensor's bytes into the bucket buffer (a memcpy on the host, or
 a device copy recorded on a :class:`~verl_fastsync.io.fence.DeviceFence`) before it returns, and
 keeps no reference to the tensor. A producer may therefore refill or restore the tensor as soon as
-``add`` returns, i.e. before it is asked for the next one. A device copy is issued on the current
-stream, so work the producer queues later on that stream is ordered after it; the fence is waited
-on before a bucket is handed to ``on_full`` (sent or checksummed).
+``add`` returns, i.e. before it is asked for the next one. A copy from a device source is issued on
+the current stream, so work the producer queues later on that stream (a refill of the source) is
+ordered after it; the fence is waited on before a bucket is handed to ``on_full`` (sent or
+checksummed). A copy from a **host** source into device memory (e.g. a pinned host staging buffer)
+is asynchronous with respect to the host, and a producer refills a host buffer from the host, which
+no stream orders: for that copy ``add`` waits for the fence before it returns.
 
 Where the bytes go: ``acquire(bucket_index)`` returns the flat ``uint8`` buffer of a new bucket (a
 transport blocks there until the slot is free); without it, each bucket gets a fresh host buffer.
@@ -198,6 +201,10 @@ class BucketPlanner:
             src = data[start : start + n]
             copy_bytes(dst, src)
             self._fence.note(src, dst)
+            if src.device.type == "cpu" and dst.device.type != "cpu":
+                # host -> device runs non_blocking: the producer may rewrite its host buffer as soon
+                # as add returns (no stream orders that), so the copy must be done first
+                self._fence.wait()
         meta = ChunkMeta(chunk_offset=start, chunk_size=n, bucket_offset=at, **fields)
         bucket.chunks.append((meta, dst))
         self.num_chunks += 1

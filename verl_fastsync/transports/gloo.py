@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -43,6 +44,7 @@ _HEADER = 5  # magic, version, kind, meta length, payload bytes
 _DEVICES = 2
 _PARTS = 4
 _MIN_PART = 1 << 20
+_MIN_WAIT_S = 0.01  # a zero timedelta means "no timeout" to Work.wait: never pass less than this
 
 
 def _parts(payload: torch.Tensor) -> list[torch.Tensor]:
@@ -70,6 +72,10 @@ class GlooTransport(BufferedTransport):
 
     def _td(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.options.timeout_s)
+
+    def _deadline(self) -> float:
+        """``timeout_s`` from now, on the monotonic clock: one budget shared by a group of waits."""
+        return time.monotonic() + float(self.options.timeout_s)
 
     def prepare(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"transport": self.name, "host": socket.gethostname()}
@@ -144,16 +150,27 @@ class GlooTransport(BufferedTransport):
             f"{text.splitlines()[0] if text else ''}; {self.inflight.describe()}"
         )
 
-    def _broadcast(self, tensor: torch.Tensor) -> Any:
+    def _broadcast(self, tensor: torch.Tensor, deadline: float | None = None) -> Any:
+        """Post one broadcast. gloo gives up on it ``timeout_s`` after it starts, or at ``deadline``:
+        closing the group waits for every posted broadcast to end, so an abort posted late in its
+        budget must not outlive that budget."""
         assert self._pg is not None
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        opts.timeout = self._td()
+        if deadline is None:
+            opts.timeout = self._td()
+        else:
+            opts.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), _MIN_WAIT_S))
         return self._pg.broadcast([tensor], opts)
 
-    def _wait(self, work: Any, peer: str) -> None:
+    def _wait(self, work: Any, peer: str, deadline: float) -> None:
+        """Wait for ``work`` until ``deadline`` (:func:`time.monotonic`): only the time left of a
+        budget shared with the other waits of the group, never a fresh ``timeout_s`` per work."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 and not work.is_completed():
+            raise self._timeout_error(peer)
         try:
-            ok = work.wait(self._td())
+            ok = work.wait(datetime.timedelta(seconds=max(remaining, _MIN_WAIT_S)))
         except RuntimeError as exc:
             raise self._wrap(exc, peer) from exc
         if ok is False:
@@ -164,19 +181,30 @@ class GlooTransport(BufferedTransport):
     def _sender_buffer(self, slot: int) -> torch.Tensor:
         return self._bufs[slot]
 
-    def _wait_slot_free(self, slot: int) -> None:
+    def _wait_slot_free(self, slot: int, deadline: float | None = None) -> None:
+        """Every broadcast of ``slot`` done by ``deadline`` (default: ``timeout_s`` from now, one
+        budget for all of the slot's works, not one per work)."""
+        if deadline is None:
+            deadline = self._deadline()
         for work in self._slot_works[slot]:
-            self._wait(work, "rollout ranks")
+            self._wait(work, "rollout ranks", deadline)
         self._slot_works[slot] = []
         self._keep[slot] = []
 
-    def _post(self, slot: int, kind: int, message: Message, payload: torch.Tensor | None) -> None:
+    def _post(
+        self,
+        slot: int,
+        kind: int,
+        message: Message,
+        payload: torch.Tensor | None,
+        deadline: float | None = None,
+    ) -> None:
         meta = torch.frombuffer(bytearray(encode(message)), dtype=torch.uint8)
         nbytes = 0 if payload is None else payload.numel()
         header = torch.tensor([_MAGIC, WIRE_SCHEMA_VERSION, kind, meta.numel(), nbytes], dtype=torch.int64)
-        works = [self._broadcast(header), self._broadcast(meta)]
+        works = [self._broadcast(header, deadline), self._broadcast(meta, deadline)]
         if payload is not None and nbytes:
-            works.extend(self._broadcast(part) for part in _parts(payload))
+            works.extend(self._broadcast(part, deadline) for part in _parts(payload))
         self._slot_works[slot] = works
         self._keep[slot] = [header, meta]
 
@@ -190,11 +218,12 @@ class GlooTransport(BufferedTransport):
     def _post_abort(self, message: Abort) -> None:
         if self.rank != 0 or self._pg is None:
             return  # receivers leave the group on close; the sender then fails fast
+        deadline = self._deadline()  # the whole abort path: one timeout_s, however much is pending
         try:
             for slot in (0, 1):
-                self._wait_slot_free(slot)
-            self._post(0, _KIND_ABORT, message, None)
-            self._wait_slot_free(0)
+                self._wait_slot_free(slot, deadline)
+            self._post(0, _KIND_ABORT, message, None, deadline)  # gloo drops it at the deadline too
+            self._wait_slot_free(0, deadline)
         except Exception:
             pass
 
@@ -207,7 +236,7 @@ class GlooTransport(BufferedTransport):
 
     def _recv_next(self) -> BucketReady | SyncEnd:
         header = torch.zeros(_HEADER, dtype=torch.int64)
-        self._wait(self._broadcast(header), self._peer)
+        self._wait(self._broadcast(header), self._peer, self._deadline())
         magic, version, kind, meta_len, nbytes = (int(v) for v in header.tolist())
         if magic != _MAGIC:
             raise TransportError(f"gloo transport: bad header from {self._peer}: {header.tolist()}")
@@ -217,8 +246,9 @@ class GlooTransport(BufferedTransport):
                 f"this side speaks version {WIRE_SCHEMA_VERSION}; "
                 "install the same verl-fastsync on both sides"
             )
+        deadline = self._deadline()  # the header is here: metadata and payload share one budget
         meta = torch.empty(meta_len, dtype=torch.uint8)
-        self._wait(self._broadcast(meta), self._peer)
+        self._wait(self._broadcast(meta), self._peer, deadline)
         message = decode(meta.numpy().tobytes(), peer=self._peer)
         if kind == _KIND_ABORT or isinstance(message, Abort):
             reason = message.reason if isinstance(message, Abort) else "?"
@@ -235,7 +265,7 @@ class GlooTransport(BufferedTransport):
         if nbytes:
             works = [self._broadcast(part) for part in _parts(self._bufs[message.slot][:nbytes])]
             for work in works:
-                self._wait(work, self._peer)
+                self._wait(work, self._peer, deadline)
         return message
 
     def _release_slot(self, slot: int, bucket_index: int) -> None:

@@ -1,0 +1,111 @@
+"""gloo sender abort: one ``timeout_s`` in all, never one per pending wait.
+
+The sender's abort path waits for both slots, posts an abort and waits for it. Each wait used to get
+its own full ``timeout_s`` (every work of a slot too), so a receiver that is alive but slow took the
+sender up to (slots + 1) x ``timeout_s`` to fail. Now the waits of a group share one deadline: the
+abort path as a whole, a slot's works, a received bucket's metadata and payload.
+
+* :func:`test_gloo_sender_abort_ends_within_one_timeout`: a real 1-sender/1-receiver gloo pair in
+  spawned processes. The receiver's consumer stalls after its first tensor for most of
+  ``timeout_s`` (so the sender's last two buckets stay pending) and, once it has taken them, stalls
+  again for long (so the abort is never received). The producer raises in between. The sender must
+  fail with the producer's error within ``timeout_s`` + a margin of the raise; the old code took the
+  first stall plus a whole fresh ``timeout_s`` for the abort message.
+* :func:`test_slot_works_share_one_deadline`: works that each finish just inside ``timeout_s`` of
+  the previous one (no processes): one deadline for the slot, not one per work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _transport_harness import Cluster, TensorSpec
+
+from verl_fastsync.transports.base import TransportOptions, TransportTimeoutError
+from verl_fastsync.transports.gloo import GlooTransport
+
+TIMEOUT_S = 10
+MARGIN_S = 6  # process scheduling on a loaded 2-core host
+MIB = 1 << 20
+BUCKET = 8 * MIB  # four 2 MiB payload parts per bucket: more than loopback's socket buffers take
+# one tensor per bucket, exactly the bucket: each add closes its bucket and ships it
+MODEL = [TensorSpec(f"layer{i}.w", (BUCKET // 4,), "float32") for i in range(8)]
+# The receiver prefetches one bucket: stalled on tensor 1 it holds buckets 0-2, so buckets 3 and 4
+# (both slots) are pending when the producer raises before tensor 5.
+RAISE_AFTER = 5
+# Stall 1 (after 1 tensor) ends inside the gloo op timeout of the pending buckets, which the
+# receiver then takes; stall 2 (after 3 tensors, bucket 4 prefetched) outlasts the sender's abort.
+FIRST_STALL_S = 0.75 * TIMEOUT_S
+SECOND_STALL_S = 3 * TIMEOUT_S
+
+
+@pytest.mark.timeout(240)
+def test_gloo_sender_abort_ends_within_one_timeout() -> None:
+    ctor = {"bucket_size": BUCKET, "timeout_s": TIMEOUT_S}
+    stalls = {1: FIRST_STALL_S, 3: SECOND_STALL_S}
+    with Cluster("gloo", 1, 1, mode="transport", ctor=ctor, timeout=180) as cluster:
+        cluster.build_process_group()
+        cluster.post(0, "send", MODEL, 0, {"producer": "lazy", "raise_after": RAISE_AFTER})
+        cluster.post(1, "receive", {"stall_s": stalls, "hash": False})
+        send_status, send_message = cluster.wait_result(0, timeout=FIRST_STALL_S + SECOND_STALL_S + 60)
+        failed_at = time.time()
+        recv_status, _ = cluster.wait_result(1, timeout=SECOND_STALL_S + 60)
+        cluster.call_all("finalize")
+    assert send_status == "err", "the sender reported success for a sync whose producer raised"
+    assert f"producer failed on purpose after {RAISE_AFTER} tensors" in send_message, send_message
+    raised = re.search(r"at t=(\d+\.\d+)", send_message)
+    assert raised is not None, send_message
+    elapsed = failed_at - float(raised.group(1))
+    print(f"gloo sender abort: {elapsed:.2f}s from the producer's raise to the sender's failure")
+    assert elapsed <= TIMEOUT_S + MARGIN_S, (
+        f"the gloo sender took {elapsed:.1f}s from the producer's raise to its failure "
+        f"(timeout_s={TIMEOUT_S}): the abort path must share one deadline"
+    )
+    assert recv_status == "err", "the receiver reported success for a sync the sender abandoned"
+
+
+class _SlowWork:
+    """A broadcast that completes at ``done_at`` (monotonic); ``wait`` behaves like c10d's."""
+
+    def __init__(self, done_at: float) -> None:
+        self.done_at = done_at
+        self.timeouts: list[float] = []
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+    def wait(self, timeout: Any) -> bool:
+        seconds = timeout.total_seconds()
+        assert seconds > 0, "a zero timeout means no timeout to c10d"
+        self.timeouts.append(seconds)
+        left = self.done_at - time.monotonic()
+        if left > seconds:
+            time.sleep(seconds)
+            raise RuntimeError("Operation timed out!")
+        time.sleep(max(left, 0.0))
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_slot_works_share_one_deadline() -> None:
+    timeout = 0.5
+    transport = GlooTransport(TransportOptions(timeout_s=timeout, is_master=True))
+    transport.rank = 0
+    start = time.monotonic()
+    # six works (header, metadata, four parts), each done 0.4 s after the previous one: every one is
+    # inside timeout_s of the last, the slot as a whole is not (the old code waited 2.4 s and passed)
+    works = [_SlowWork(start + 0.4 * (i + 1)) for i in range(6)]
+    transport._slot_works[0] = list(works)
+    with pytest.raises(TransportTimeoutError, match=r"timed out after 0.5s waiting for rollout ranks"):
+        transport._wait_slot_free(0)
+    elapsed = time.monotonic() - start
+    assert elapsed <= timeout + 0.3, f"one slot took {elapsed:.2f}s with timeout_s={timeout}"
+    assert works[1].timeouts and works[1].timeouts[0] <= timeout - 0.3, works[1].timeouts
