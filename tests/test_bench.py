@@ -363,8 +363,11 @@ def test_verl_checkpoint_engine_import_without_cupy_nccl_warning() -> None:
     pytest.importorskip("cupy")
 
     def run(how: str) -> str:
+        # "plain" without the plugin (verl 0.9.x would load it through its entry point, and the
+        # plugin silences the warning too): shows that the warning is real on this host
+        env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"} if how == "plain" else None
         proc = subprocess.run(
-            [sys.executable, "-c", _IMPORT, how], capture_output=True, text=True, timeout=250
+            [sys.executable, "-c", _IMPORT, how], capture_output=True, text=True, timeout=250, env=env
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stderr

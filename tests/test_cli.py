@@ -18,6 +18,9 @@ from _plugin_dist import write_plugin_dist
 from verl_fastsync.tools import bench, cli, doctor
 
 KEY = "actor_rollout_ref.rollout.custom.fastsync"
+ROUTE = doctor.ENV_ROUTE
+"""The route that loads the plugin on every release (0.7.1/0.8.0 need it); harmless where not needed."""
+ENV = "+" + doctor.RAY_ENV_PREFIX
 
 
 def _run_cli(
@@ -105,17 +108,26 @@ def _doctor_json(*overrides: str, env: dict[str, str] | None = None) -> tuple[in
 @pytest.mark.verl
 @pytest.mark.timeout(150)
 def test_doctor_plugin_present(verl_version: tuple[int, int, int]) -> None:
-    rc, report, err = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.pre_resume_cleanup=adaptive")
+    rc, report, err = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.pre_resume_cleanup=adaptive", ROUTE)
     assert rc == 0, (report["problems"], err)
     assert report["ok"] is True
     assert report["verl"]["version"].startswith(".".join(map(str, verl_version)))
+    assert report["verl"]["imported"] is False, "the version is read without importing verl"
+    # the route override is recognised as the route on every release, never "ignored"
+    assert report["worker_env"] == {"VERL_USE_EXTERNAL_MODULES": "verl_fastsync"}
+    assert report["verl"]["env_route_configured"] is True
+    assert not any("ray_kwargs" in note for note in report["notes"]), report["notes"]
     if verl_version >= (0, 9, 0):
         assert report["verl"]["loads_verl_plugins_entry_points"] is True
         assert report["verl"]["env_route_needed"] is False
     else:
         assert report["verl"]["loads_verl_plugins_entry_points"] is False
         assert report["verl"]["env_route_needed"] is True
-        assert "VERL_USE_EXTERNAL_MODULES=verl_fastsync" in report["verl"]["load_route"]
+        assert "route configured" in report["verl"]["load_route"]
+        # without the route: a problem, not an info line
+        rc_bare, bare, _ = _doctor_json(f"+{KEY}.enable=true")
+        assert rc_bare == 1
+        assert any(ROUTE in p and "does not load verl.plugins" in p for p in bare["problems"])
     hooks = report["plugins"]["hooks"]
     assert "fastsync-cleanup" in hooks["pre_resume_cleanup"]
     assert "fastsync-cleanup" in hooks["post_transfer_cleanup"]
@@ -138,7 +150,7 @@ def test_doctor_plugin_present(verl_version: tuple[int, int, int]) -> None:
 
 @pytest.mark.timeout(150)
 def test_doctor_text_output() -> None:
-    proc = _run_cli("doctor", f"+{KEY}.enable=true", timeout=120)
+    proc = _run_cli("doctor", f"+{KEY}.enable=true", ROUTE, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "hook pre_resume_cleanup: " in proc.stdout
     assert f"{KEY}.enable = True" in proc.stdout
@@ -147,7 +159,15 @@ def test_doctor_text_output() -> None:
 
 @pytest.mark.timeout(150)
 def test_doctor_plugin_blocked_transports() -> None:
-    rc, report, _ = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.disabled_plugins=[fastsync-transports]")
+    blocked = f"+{KEY}.disabled_plugins=[fastsync-transports]"
+    # the trainer worker refuses a block list its checkpoint-engine workers do not get (startup.py)
+    rc, report, _ = _doctor_json(f"+{KEY}.enable=true", blocked, ROUTE)
+    assert rc == 1
+    [problem] = report["problems"]
+    assert "VERL_FASTSYNC_DISABLED_PLUGINS lacks fastsync-transports" in problem, problem
+    assert f"{ENV}.VERL_FASTSYNC_DISABLED_PLUGINS=fastsync-transports" in problem, problem
+    env = f"{ENV}.VERL_FASTSYNC_DISABLED_PLUGINS=fastsync-transports"
+    rc, report, _ = _doctor_json(f"+{KEY}.enable=true", blocked, ROUTE, env)
     assert rc == 0, report["problems"]
     assert report["plugins"]["blocked"] == ["fastsync-transports"]
     assert "fastsync-transports" not in report["plugins"]["registered"]
@@ -159,7 +179,12 @@ def test_doctor_plugin_blocked_transports() -> None:
 
 @pytest.mark.timeout(150)
 def test_doctor_plugin_blocked_cleanup_fails_like_the_worker() -> None:
-    rc, report, _ = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.disabled_plugins=[fastsync-cleanup]")
+    rc, report, _ = _doctor_json(
+        f"+{KEY}.enable=true",
+        f"+{KEY}.disabled_plugins=[fastsync-cleanup]",
+        ROUTE,
+        f"{ENV}.VERL_FASTSYNC_DISABLED_PLUGINS=fastsync-cleanup",
+    )
     assert rc == 1
     assert report["ok"] is False
     assert report["plugins"]["hooks"]["pre_resume_cleanup"] == []
@@ -192,7 +217,7 @@ def test_doctor_colocated_transport_that_cannot_work_here() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("needs a host without CUDA")
-    rc, report, _ = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.colocated_transport=ipc")
+    rc, report, _ = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.colocated_transport=ipc", ROUTE)
     assert rc == 1
     assert any("colocated_transport='ipc'" in p for p in report["problems"]), report["problems"]
 
@@ -221,7 +246,7 @@ def test_doctor_reports_third_party_plugin(tmp_path: Path) -> None:
     )
     pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": pythonpath}
-    rc, report, err = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.pre_resume_cleanup=twice", env=env)
+    rc, report, err = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.pre_resume_cleanup=twice", ROUTE, env=env)
     assert rc == 0, (report["problems"], err)
     assert report["plugins"]["hooks"]["pre_resume_cleanup"] == ["fastsync-cleanup", "twice"]
     assert "twice" in report["cleanup_policies"]["pre_resume_cleanup"]
@@ -234,17 +259,23 @@ def test_doctor_reports_third_party_plugin(tmp_path: Path) -> None:
 
 
 def test_parse_overrides_uses_yaml_values() -> None:
-    tree, ignored = doctor.parse_overrides(
+    parsed = doctor.parse_overrides(
         [
             f"+{KEY}.enable=true",
             f"++{KEY}.adaptive_headroom_gib=2.5",
             f"{KEY}.disabled_plugins=[a,b]",
             "trainer.total_epochs=3",
+            f"{ENV}.VERL_USE_EXTERNAL_MODULES=verl_fastsync",
         ]
     )
-    fs = tree["actor_rollout_ref"]["rollout"]["custom"]["fastsync"]
+    fs = parsed.tree["actor_rollout_ref"]["rollout"]["custom"]["fastsync"]
     assert fs == {"enable": True, "adaptive_headroom_gib": 2.5, "disabled_plugins": ["a", "b"]}
-    assert ignored == ["trainer.total_epochs"]
+    assert parsed.ignored == ["trainer.total_epochs"]
+    assert parsed.worker_env == {"VERL_USE_EXTERNAL_MODULES": "verl_fastsync"}
+    # a fastsync key without the leading + is refused by Hydra (it is not in verl's config)
+    [problem] = parsed.problems
+    assert problem.startswith(f"'{KEY}.disabled_plugins=[a,b]': Hydra refuses it"), problem
+    assert f"add the leading +: +{KEY}.disabled_plugins=[a,b]" in problem, problem
     with pytest.raises(doctor.OverrideError, match="allowed: \\[\\+\\|\\+\\+\\]key=value"):
         doctor.parse_overrides(["no-equals-sign"])
 
@@ -254,14 +285,19 @@ def test_doctor_engine_transport_override() -> None:
     import torch
 
     key = doctor.ENGINE_KEY_PREFIX + ".transport"
-    rc, report, _ = _doctor_json(f"+{key}=bogus")
+    rc, report, _ = _doctor_json(f"+{key}=bogus", ROUTE)
     assert rc == 1
-    assert any(f"{key}='bogus'" in p and "unknown engine transport" in p for p in report["problems"])
-    rc, report, _ = _doctor_json(f"+{key}=gloo")
+    # the engine's message (verl_fastsync.config.parse_engine_kwargs), plus what can run on this host
+    [problem] = report["problems"]
+    assert problem.startswith("engine_kwargs.fastsync.transport='bogus': unknown engine transport"), problem
+    usable = report["transports"]["engine"]["available"]
+    assert problem.endswith(f"; usable on this host: {', '.join(usable)}"), problem
+    rc, report, _ = _doctor_json(f"+{key}=gloo", ROUTE)
     assert rc == 0, report["problems"]
     assert report["engine_kwargs"] == {"transport": "gloo"}
+    assert report["engine_settings"]["transport"] == "gloo"
     if not torch.cuda.is_available():
-        rc, report, _ = _doctor_json(f"+{key}=nccl")
+        rc, report, _ = _doctor_json(f"+{key}=nccl", ROUTE)
         assert rc == 1
         assert any(f"{key}='nccl' cannot work here" in p for p in report["problems"]), report["problems"]
 

@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -26,6 +27,14 @@ Callback = Callable[[ModuleType], None]
 
 FAILURES: dict[str, str] = {}
 """verl module name -> why its patch could not be applied (what was missing), in this process."""
+
+QUIET_WARNINGS: dict[str, tuple[tuple[str, type[Warning]], ...]] = {
+    # verl's checkpoint_engine/__init__ imports its NCCL engine, whose ``import cupy.cuda.nccl`` warns on
+    # every host without libnccl (a CPU host, a non-NVIDIA accelerator): the user did nothing to cause it
+    "verl.checkpoint_engine": ((r"\s*nccl library could not be loaded", UserWarning),),
+}
+"""Watched module -> ``(message regex, category)`` of warnings ignored while that module executes
+(only then, and only those: other warnings, and the same text raised later, still show)."""
 
 MARK = "__verl_fastsync_wrapped__"
 """Attribute set on every wrapper fastsync installs into verl, so a second install leaves it alone."""
@@ -46,7 +55,14 @@ class _CallbackLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
+        quiet = QUIET_WARNINGS.get(module.__name__, ())
+        if quiet:
+            with warnings.catch_warnings():
+                for message, category in quiet:
+                    warnings.filterwarnings("ignore", message=message, category=category)
+                self._loader.exec_module(module)
+        else:
+            self._loader.exec_module(module)
         run_callbacks(module, self._callbacks)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, ...
