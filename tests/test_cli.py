@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from _plugin_dist import write_plugin_dist
 
+from verl_fastsync import __version__
 from verl_fastsync.tools import bench, cli, doctor
 
 KEY = "actor_rollout_ref.rollout.custom.fastsync"
@@ -256,6 +257,122 @@ def test_doctor_reports_third_party_plugin(tmp_path: Path) -> None:
     )
     assert rc == 1
     assert report["plugins"]["hooks"]["pre_resume_cleanup"] == ["fastsync-cleanup"]
+
+
+_LIGHT_PLUGIN = """
+    from verl_fastsync import hookimpl
+    from verl_fastsync.cleanup import CleanupOutcome
+
+    def _light(ctx):
+        return CleanupOutcome()
+
+    @hookimpl
+    def pre_resume_cleanup():
+        return {"light": _light, "NAME": _light}
+    """
+
+
+def _pythonpath(*paths: Path) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(p for p in (*map(str, paths), os.environ.get("PYTHONPATH")) if p)}
+
+
+@pytest.mark.timeout(200)
+def test_doctor_lists_names_with_distribution_and_what_they_replace(tmp_path: Path) -> None:
+    """A third-party distribution replacing the built-in ``light``: doctor lists, per hook, every name,
+    the plugin and distribution providing it, and the built-in it replaced (JSON and text)."""
+    write_plugin_dist(tmp_path, "better_light", _LIGHT_PLUGIN.replace("NAME", "better"))
+    env = _pythonpath(tmp_path)
+    rc, report, err = _doctor_json(f"+{KEY}.enable=true", ROUTE, env=env)
+    assert rc == 0, (report["problems"], err)
+    names = report["plugins"]["names"]
+    assert set(names) == {"pre_resume_cleanup", "post_transfer_cleanup", "weight_transport"}
+    pre = {entry["name"]: entry for entry in names["pre_resume_cleanup"]}
+    assert [entry["name"] for entry in names["pre_resume_cleanup"]] == sorted(pre)
+    assert pre["light"] == {
+        "name": "light",
+        "plugin": "better_light",
+        "distribution": "better-light 1.0",
+        "builtin": False,
+        "replaced": {
+            "name": "light",
+            "plugin": "fastsync-cleanup",
+            "distribution": f"verl-fastsync {__version__}",
+        },
+    }
+    assert pre["better"]["distribution"] == "better-light 1.0" and pre["better"]["replaced"] is None
+    assert pre["adaptive"]["plugin"] == "fastsync-cleanup" and pre["adaptive"]["replaced"] is None
+    # the other boundary keeps the built-in light; transports are listed per kind
+    post = {entry["name"]: entry for entry in names["post_transfer_cleanup"]}
+    assert post["light"]["plugin"] == "fastsync-cleanup" and post["light"]["replaced"] is None
+    assert set(names["weight_transport"]) == {"engine", "colocated"}
+    engine = {entry["name"]: entry for entry in names["weight_transport"]["engine"]}
+    assert engine["shm"]["distribution"] == f"verl-fastsync {__version__}"
+    assert report["cleanup_policies"]["pre_resume_cleanup"] == [
+        "adaptive",
+        "aggressive",
+        "better",
+        "light",
+        "none",
+    ]
+
+    proc = _run_cli("doctor", f"+{KEY}.enable=true", ROUTE, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    builtin = f"verl-fastsync {__version__}"
+    start = lines.index("  hook pre_resume_cleanup: fastsync-cleanup, better_light")
+    assert lines[start + 1 : start + 4] == [
+        f"    adaptive, aggressive, none from fastsync-cleanup ({builtin})",
+        "    better from better_light (better-light 1.0)",
+        "    light from better_light (better-light 1.0), replacing the built-in light of "
+        f"fastsync-cleanup ({builtin})",
+    ], proc.stdout
+    assert f"    adaptive, aggressive, light, none from fastsync-cleanup ({builtin})" in lines
+    assert any(line.startswith("    engine: ") and "shm" in line for line in lines), proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_doctor_plugin_conflict_is_a_problem_naming_both_distributions(tmp_path: Path) -> None:
+    """Two third-party distributions providing one name, or claiming one entry-point name: exit 1 and
+    one problem line naming both distributions, never a traceback."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    write_plugin_dist(one, "light_one", _LIGHT_PLUGIN.replace("NAME", "one"))
+    write_plugin_dist(two, "light_two", _LIGHT_PLUGIN.replace("NAME", "two"))
+    env = _pythonpath(one, two)
+    rc, report, err = _doctor_json(f"+{KEY}.enable=true", ROUTE, env=env)
+    assert rc == 1 and report["ok"] is False
+    assert "Traceback" not in err, err
+    [problem] = report["problems"]
+    assert problem.startswith("plugin conflict: pre_resume_cleanup(): the name 'light' is provided by"), (
+        problem
+    )
+    assert "light-one 1.0" in problem and "light-two 1.0" in problem, problem
+    assert report["plugins"]["error"] == problem
+    proc = _run_cli("doctor", f"+{KEY}.enable=true", ROUTE, timeout=150, env=env)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("ERROR: ")]
+    assert "light-one 1.0" in line and "light-two 1.0" in line, line
+    assert proc.stdout.splitlines()[-1] == "status: 1 problem(s)"
+    # blocking one of them by its entry-point name resolves it
+    rc, report, _ = _doctor_json(f"+{KEY}.disabled_plugins=[light_two]", env=env)
+    assert rc == 0, report["problems"]
+
+    # one entry-point name claimed by two distributions
+    three, four = tmp_path / "three", tmp_path / "four"
+    three.mkdir()
+    four.mkdir()
+    write_plugin_dist(three, "dist_three", _LIGHT_PLUGIN.replace("NAME", "three"), entry_name="shared")
+    write_plugin_dist(four, "dist_four", _LIGHT_PLUGIN.replace("NAME", "four"), entry_name="shared")
+    proc = _run_cli(
+        "doctor", "--json", f"+{KEY}.enable=true", ROUTE, timeout=150, env=_pythonpath(three, four)
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    [problem] = json.loads(proc.stdout)["problems"]
+    assert "plugin name 'shared' is claimed by two distributions" in problem, problem
+    assert "dist-three 1.0" in problem and "dist-four 1.0" in problem, problem
 
 
 def test_parse_overrides_uses_yaml_values() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from verl_fastsync.config import parse_engine_kwargs
-from verl_fastsync.tools import doctor
+from verl_fastsync.tools import doctor, doctor_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = ROOT / ".verl-releases"
@@ -170,7 +170,7 @@ def test_version_read_without_importing_verl(monkeypatch: pytest.MonkeyPatch) ->
             continue
         spec = importlib.machinery.PathFinder.find_spec("verl", [str(path)])
         assert spec is not None
-        monkeypatch.setattr(doctor, "_verl_spec", lambda spec=spec: spec)
+        monkeypatch.setattr(doctor_env, "_verl_spec", lambda spec=spec: spec)  # where verl_info finds verl
         info = doctor.verl_info({})
         assert info["version"] == version and "imported_because" not in info
         assert info["version_source"] == str(path / "verl" / "version" / "version")

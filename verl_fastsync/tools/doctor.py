@@ -34,403 +34,74 @@ Doctor does not import verl: the version comes from the release's ``verl/version
 ``verl.__version__`` reads) or its ``dist-info`` next to the package, found with
 ``importlib.util.find_spec`` without executing verl (``import verl`` takes seconds). Only when neither
 exists does it import verl, and the report says so in one line (``verl.imported_because``).
+
+Where it lives: this module builds the report (:func:`diagnose`) and renders it (:func:`render`),
+including the plugin listing (:func:`plugin_listing`: per hook, and per transport kind, every name,
+the plugin and distribution that provide it, and the built-in it replaced). What the host and the
+verl install give (dependency probes, the verl release, the load route) is
+:mod:`verl_fastsync.tools.doctor_env`; reading the overrides and the checks against them is
+:mod:`verl_fastsync.tools.doctor_checks`. The names of both are re-exported here.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import verl_fastsync
 from verl_fastsync.config import ENGINE_KEY_PREFIX, KEY_PREFIX
+from verl_fastsync.tools.doctor_checks import (
+    OverrideError,
+    Overrides,
+    _dig,
+    _route_problem,
+    _startup_problems,
+    _with_usable,
+    parse_overrides,
+)
+from verl_fastsync.tools.doctor_env import (
+    ENV_MODULES,
+    ENV_PLUGINS,
+    ENV_ROUTE,
+    KNOWN_TRANSPORTS,
+    RAY_ENV_PREFIX,
+    ROUTE_MODULE,
+    Probe,
+    _needs,
+    probe_dependencies,
+    verl_info,
+    verl_loads_entry_points,
+    verl_version_without_import,
+)
+from verl_fastsync.tools.doctor_env import _probe_cupy as _probe_cupy
+from verl_fastsync.tools.doctor_env import _short_error as _short_error
 
-RAY_ENV_PREFIX = "ray_kwargs.ray_init.runtime_env.env_vars"
-"""Hydra key of the environment every Ray actor of verl gets (``+{RAY_ENV_PREFIX}.NAME=value``)."""
-ENV_MODULES = "VERL_USE_EXTERNAL_MODULES"
-ENV_PLUGINS = "VERL_USE_EXTERNAL_PLUGINS"
-ROUTE_MODULE = "verl_fastsync"
-ENV_ROUTE = f"+{RAY_ENV_PREFIX}.{ENV_MODULES}={ROUTE_MODULE}"
+if TYPE_CHECKING:
+    from verl_fastsync.plugins import Provided, Registry
 
 __all__ = [
     "ENGINE_KEY_PREFIX",
+    "ENV_MODULES",
+    "ENV_PLUGINS",
     "ENV_ROUTE",
     "KNOWN_TRANSPORTS",
     "RAY_ENV_PREFIX",
+    "ROUTE_MODULE",
     "OverrideError",
     "Overrides",
+    "Probe",
     "diagnose",
     "parse_overrides",
+    "plugin_listing",
     "probe_dependencies",
     "render",
     "verl_info",
     "verl_loads_entry_points",
     "verl_version_without_import",
 ]
-
-# transport -> what it needs, per kind (the built-in ones; third-party transports are reported as
-# registered or not, without a dependency check)
-KNOWN_TRANSPORTS: dict[str, tuple[str, ...]] = {
-    "engine": ("shm", "gloo", "nixl", "nccl"),
-    "colocated": ("shm", "ipc"),
-}
-
-
-class OverrideError(ValueError):
-    """A command-line override that is not ``[+|++]key=value``."""
-
-
-@dataclasses.dataclass
-class Probe:
-    ok: bool
-    detail: str
-
-
-def _probe_import(module: str) -> Probe:
-    try:
-        mod = importlib.import_module(module)
-    except Exception as exc:
-        return Probe(False, f"import {module} failed: {type(exc).__name__}: {exc}".strip())
-    return Probe(True, f"{module} {getattr(mod, '__version__', '')}".strip())
-
-
-def _short_error(exc: BaseException) -> str:
-    """The first phrase of an error (``cudaErrorInsufficientDriver`` of cupy's long CUDA text)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text.split(":", 1)[0].strip() or type(exc).__name__
-
-
-def _probe_cupy(cuda_ok: bool) -> Probe:
-    probe = _probe_import("cupy")
-    if not probe.ok:
-        return probe
-    try:
-        import cupy
-
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        if not cuda_ok:  # a CPU host: the CUDA runtime's text ("driver version is insufficient...") misleads
-            return Probe(False, f"no CUDA device/driver (cupy: {_short_error(exc)})")
-        return Probe(False, f"cupy cannot use the CUDA device: {type(exc).__name__}: {exc}")
-    if n <= 0:
-        return Probe(False, f"no CUDA device (cupy {cupy.__version__} sees 0 devices)")
-    return Probe(True, f"cupy {cupy.__version__}, {n} device(s)")
-
-
-def probe_dependencies() -> dict[str, Probe]:
-    """Try the imports and device queries the transports depend on."""
-    out: dict[str, Probe] = {}
-    try:
-        import torch
-
-        cuda = torch.cuda.is_available()
-        out["cuda"] = Probe(
-            cuda,
-            f"{torch.cuda.device_count()} CUDA device(s), torch {torch.__version__}"
-            if cuda
-            else f"torch.cuda.is_available() is False (torch {torch.__version__})",
-        )
-        import torch.distributed as dist
-
-        gloo = dist.is_available() and dist.is_gloo_available()
-        out["gloo"] = Probe(gloo, "torch.distributed gloo backend" if gloo else "torch built without gloo")
-    except Exception as exc:  # pragma: no cover - torch is a hard dependency
-        out["cuda"] = Probe(False, f"torch not importable: {exc}")
-        out["gloo"] = Probe(False, f"torch not importable: {exc}")
-    out["cupy"] = _probe_cupy(out["cuda"].ok)
-    out["nixl"] = _probe_import("nixl._api")
-    shm_ok = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
-    out["shm"] = Probe(shm_ok, "/dev/shm writable" if shm_ok else "/dev/shm missing or not writable")
-    return out
-
-
-def _needs(kind: str, name: str, deps: dict[str, Probe]) -> str | None:
-    """Why the built-in transport ``name`` of ``kind`` cannot run here (None: it can)."""
-    required = {
-        ("engine", "shm"): ("shm",),
-        ("engine", "gloo"): ("gloo",),
-        ("engine", "nixl"): ("nixl",),
-        ("engine", "nccl"): ("cuda", "cupy"),
-        ("colocated", "shm"): ("shm",),
-        ("colocated", "ipc"): ("cuda",),
-    }.get((kind, name), ())
-    missing = [f"{d}: {deps[d].detail}" for d in required if not deps[d].ok]
-    return "; ".join(missing) or None
-
-
-def _verl_spec() -> importlib.machinery.ModuleSpec | None:
-    try:
-        return importlib.util.find_spec("verl")
-    except (ImportError, ValueError):
-        return None
-
-
-def _verl_init_source() -> str | None:
-    """The source of the importable ``verl/__init__.py`` (found without importing verl), or None."""
-    spec = _verl_spec()
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-        return None
-    try:
-        with open(spec.origin, encoding="utf-8") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def verl_loads_entry_points(source: str | None = None) -> bool:
-    """Whether the importable verl's ``import verl`` loads the ``verl.plugins`` entry-point group.
-
-    Decided by what the release's code does, not by its version number: ``verl/__init__.py`` is read
-    (not imported) and its code - comments and docstrings do not count - must name the group
-    ``"verl.plugins"`` and call ``entry_points``. False when verl is not installed.
-    """
-    text = _verl_init_source() if source is None else source
-    if text is None:
-        return False
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return False
-    names_group = calls_entry_points = False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and node.value == "verl.plugins":
-            names_group = True
-        elif isinstance(node, ast.alias) and node.name == "entry_points":
-            calls_entry_points = True
-        elif isinstance(node, ast.Attribute) and node.attr == "entry_points":
-            calls_entry_points = True
-    return names_group and calls_entry_points
-
-
-def verl_version_without_import(package_dir: str) -> tuple[str, str] | None:
-    """``(version, where it was read)`` of the verl package in ``package_dir``, without executing verl:
-    its ``version/version`` file (what ``verl.__version__`` is read from), else the ``verl-*.dist-info``
-    installed next to the package (not another verl further down ``sys.path``). None: neither."""
-    version_file = os.path.join(package_dir, "version", "version")
-    try:
-        with open(version_file, encoding="utf-8") as f:
-            text = f.read().strip()
-        if text:
-            return text, version_file
-    except OSError:
-        pass
-    from importlib.metadata import distributions
-
-    site = os.path.dirname(package_dir)
-    for dist in distributions(path=[site]):
-        name = (dist.metadata["Name"] or "").lower()
-        if name == "verl" and dist.version:
-            return str(dist.version), f"{getattr(dist, '_path', site)}"
-    return None
-
-
-def _route_modules(value: str | None) -> list[str]:
-    """The module names verl imports from ``VERL_USE_EXTERNAL_MODULES``: verl splits it on ``,`` and
-    imports each part as it is (no blanks stripped)."""
-    return value.split(",") if value else []
-
-
-def verl_info(worker_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The importable verl release and how the plugin gets loaded into it.
-
-    :param worker_env: the environment verl's Ray actors get from the overrides
-        (``+ray_kwargs.ray_init.runtime_env.env_vars.*``); this shell's environment does not count
-        (see the module docstring).
-    """
-    worker_env = dict(worker_env or {})
-    info: dict[str, Any] = {"installed": False}
-    spec = _verl_spec()
-    if spec is None or spec.origin is None:
-        info["load_route"] = "verl is not installed: nothing loads the plugin"
-        info["env_route_needed"] = False
-        info["env_route_configured"] = False
-        return info
-    info["installed"] = True
-    info["path"] = os.path.dirname(spec.origin)
-    found = verl_version_without_import(info["path"])
-    if found is not None:
-        info["version"], info["version_source"] = found
-    else:
-        info["imported_because"] = (
-            f"no version/version file and no verl dist-info next to {info['path']}: imported verl for "
-            "verl.__version__"
-        )
-        try:
-            import verl
-
-            info["version"] = str(getattr(verl, "__version__", "unknown"))
-            info["version_source"] = "verl.__version__"
-        except Exception as exc:
-            info["version"] = None
-            info["import_error"] = f"{type(exc).__name__}: {exc}"
-    loads_entry_points = verl_loads_entry_points()
-    info["loads_verl_plugins_entry_points"] = loads_entry_points
-    try:
-        from importlib.metadata import entry_points
-
-        eps = [ep for ep in entry_points(group="verl.plugins") if ep.value.split(":")[0] == ROUTE_MODULE]
-    except Exception:
-        eps = []
-    info["entry_point"] = f"{eps[0].name} = {eps[0].value}" if eps else None
-    env_modules = _route_modules(os.environ.get(ENV_MODULES))
-    plugins_policy = (
-        (worker_env.get(ENV_PLUGINS, os.environ.get(ENV_PLUGINS, "auto")) or "auto").strip().lower()
-    )
-    info["env"] = {ENV_MODULES: os.environ.get(ENV_MODULES), ENV_PLUGINS: os.environ.get(ENV_PLUGINS)}
-    allowed_by_policy = plugins_policy == "auto" or bool(
-        plugins_policy != "none" and eps and eps[0].name in {p.strip() for p in plugins_policy.split(",")}
-    )
-    route_value = worker_env.get(ENV_MODULES)
-    info["env_route"] = ENV_ROUTE
-    info["env_route_override"] = route_value
-    info["env_route_configured"] = ROUTE_MODULE in _route_modules(route_value)
-    info["env_route_active_here"] = ROUTE_MODULE in env_modules
-    if loads_entry_points and eps and allowed_by_policy:
-        info["load_route"] = (
-            f"entry point verl.plugins:{eps[0].name} - `import verl` loads the plugin in every process"
-        )
-        info["env_route_needed"] = False
-    else:
-        info["load_route_why"] = why = (
-            "this verl release does not load verl.plugins entry points"
-            if not loads_entry_points
-            else "no verl.plugins entry point for verl_fastsync is installed"
-            if not eps
-            else f"{ENV_PLUGINS}={plugins_policy!r} excludes it"
-        )
-        info["env_route_needed"] = True
-        if info["env_route_configured"]:
-            info["load_route"] = (
-                f"{why}; route configured: {RAY_ENV_PREFIX}.{ENV_MODULES}={route_value} makes every Ray "
-                "actor import verl_fastsync"
-            )
-        else:
-            info["load_route"] = f"{why}: add {ENV_ROUTE}"
-    return info
-
-
-@dataclasses.dataclass
-class Overrides:
-    """What doctor reads from the command line."""
-
-    tree: dict[str, Any]
-    """The fastsync keys as a nested mapping (values parsed by OmegaConf's YAML value grammar, as Hydra
-    does)."""
-    ignored: list[str]
-    """Keys doctor does not check (verl's own)."""
-    worker_env: dict[str, str]
-    """``+ray_kwargs.ray_init.runtime_env.env_vars.NAME=value``: the environment of verl's Ray actors."""
-    problems: list[str]
-    """Overrides Hydra refuses (a fastsync key without the leading ``+``)."""
-
-
-def _is_fastsync_key(key: str) -> bool:
-    return (
-        key == KEY_PREFIX
-        or key.startswith((KEY_PREFIX + ".", ENGINE_KEY_PREFIX + "."))
-        or key == (ENGINE_KEY_PREFIX)
-    )
-
-
-def _is_ray_env_key(key: str) -> bool:
-    return key == RAY_ENV_PREFIX or key.startswith(RAY_ENV_PREFIX + ".")
-
-
-def _needs_plus(raw: str, key: str) -> str:
-    return (
-        f"{raw!r}: Hydra refuses it (\"Could not override '{key}'\"): the key is not in verl's config, so "
-        f"it can only be added, not overridden; add the leading +: +{raw} "
-        "(allowed: +key=value or ++key=value)"
-    )
-
-
-def parse_overrides(overrides: Sequence[str]) -> Overrides:
-    """Hydra-style ``[+|++]key=value`` overrides -> :class:`Overrides`.
-
-    Raises :class:`OverrideError` for an argument that is not an override at all.
-    """
-    from omegaconf import OmegaConf
-
-    dotlist: list[str] = []
-    env_dotlist: list[str] = []
-    ignored: list[str] = []
-    problems: list[str] = []
-    for raw in overrides:
-        if raw.startswith("~"):
-            raise OverrideError(
-                f"{raw!r}: deleting a key is not supported by doctor; allowed: [+|++]key=value"
-            )
-        plus = len(raw) - len(raw.lstrip("+"))
-        item = raw[plus:]
-        key, sep, _value = item.partition("=")
-        if not sep or not key or plus > 2:
-            raise OverrideError(f"{raw!r} is not an override; allowed: [+|++]key=value")
-        if _is_fastsync_key(key):
-            dotlist.append(item)
-        elif _is_ray_env_key(key):
-            env_dotlist.append(item)
-        else:
-            ignored.append(key)
-            continue
-        if plus == 0:
-            problems.append(_needs_plus(raw, key))
-    try:
-        conf = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist), resolve=True)
-        env_conf = OmegaConf.to_container(OmegaConf.from_dotlist(env_dotlist), resolve=True)
-    except Exception as exc:
-        raise OverrideError(f"cannot parse overrides {dotlist + env_dotlist}: {exc}") from exc
-    env = _dig(env_conf, RAY_ENV_PREFIX)
-    if env is not None and not isinstance(env, dict):
-        raise OverrideError(
-            f"{RAY_ENV_PREFIX}={env!r} is not a mapping; allowed: +{RAY_ENV_PREFIX}.NAME=value"
-        )
-    worker_env = {str(k): "" if v is None else str(v) for k, v in (env or {}).items()}
-    assert isinstance(conf, dict)
-    return Overrides(tree=conf, ignored=ignored, worker_env=worker_env, problems=problems)  # type: ignore[arg-type]
-
-
-def _dig(mapping: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(mapping, dict) or part not in mapping:
-            return None
-        mapping = mapping[part]
-    return mapping
-
-
-def _with_usable(message: str, kind: str, transports: dict[str, Any]) -> str:
-    """An unknown-transport message (the worker's, verbatim) plus what can run on this host."""
-    usable = transports[kind]["available"]
-    return f"{message}; usable on this host: {', '.join(usable) or '(none)'}"
-
-
-def _route_problem(report: dict[str, Any], wanted_by: list[str]) -> str | None:
-    """Why no verl process would load the plugin that ``wanted_by`` needs (None: it gets loaded)."""
-    v = report["verl"]
-    if not v.get("installed") or not v.get("env_route_needed") or v.get("env_route_configured"):
-        return None
-    what = " and ".join(wanted_by)
-    value = v.get("env_route_override")
-    if value is not None:
-        return (
-            f"{what}, but {v['load_route_why']} and {RAY_ENV_PREFIX}.{ENV_MODULES}={value!r} does not name "
-            f"verl_fastsync; allowed: a comma-separated list of modules that includes verl_fastsync, "
-            f"e.g. {ENV_ROUTE}"
-        )
-    shell = (
-        f" ({ENV_MODULES}=verl_fastsync in this shell does not count: it does not reach the Ray actors "
-        "of a running cluster; the override does)"
-        if v.get("env_route_active_here")
-        else ""
-    )
-    return (
-        f"{what}, but {v['load_route_why']}: no verl process imports verl-fastsync, so verl would run "
-        f"its own weight sync (and checkpoint_engine.backend=fastsync is unknown to it); add {ENV_ROUTE}"
-        + shell
-    )
 
 
 def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -444,7 +115,7 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
     )
 
     report: dict[str, Any] = {
-        "verl_fastsync": {"version": __version__, "path": os.path.dirname(__file__)},
+        "verl_fastsync": {"version": __version__, "path": os.path.dirname(verl_fastsync.__file__)},
         "python": sys.version.split()[0],
         "problems": [],
         "notes": [],
@@ -481,17 +152,14 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
         problems.append(route_problem)
 
     blocked = tuple(config.disabled_plugins) if config is not None else ()
-    try:
-        pm = plugins.get_plugin_manager(blocked)
-    except Exception as exc:
-        problems.append(f"the plugin manager cannot be built: {type(exc).__name__}: {exc}")
+    reg, why_not = _registry(blocked)
+    if reg is None:
+        problems.append(why_not)
+        report["plugins"] = {"blocked": list(blocked), "error": why_not}
+        report["verl"]["imported"] = "verl" in sys.modules
         report["ok"] = False
         return report
-    report["plugins"] = {
-        "blocked": list(blocked),
-        "registered": sorted(name for name, plugin in pm.list_name_plugin() if plugin is not None),
-        "hooks": plugins.hook_owners(pm),
-    }
+    report["plugins"] = plugin_listing(reg, blocked)
     unknown_blocked = [
         b
         for b in blocked
@@ -501,13 +169,13 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
     ]
     if unknown_blocked:
         report["notes"].append(f"disabled_plugins names no installed plugin: {', '.join(unknown_blocked)}")
-    report["cleanup_policies"] = {b: plugins.available_cleanup_policies(pm, b) for b in plugins.BOUNDARIES}
+    report["cleanup_policies"] = {b: plugins.available_cleanup_policies(reg, b) for b in plugins.BOUNDARIES}
 
     deps = probe_dependencies()
     report["dependencies"] = {k: dataclasses.asdict(v) for k, v in deps.items()}
     transports: dict[str, Any] = {}
     for kind in plugins.TRANSPORT_KINDS:
-        registered = plugins.available_transports(pm, kind)
+        registered = plugins.available_transports(reg, kind)
         usable: list[str] = []
         unavailable: dict[str, str] = {}
         for name in sorted(set(registered) | set(KNOWN_TRANSPORTS.get(kind, ()))):
@@ -532,7 +200,7 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
             k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()
         }
         try:
-            validate_names(config, pm)
+            validate_names(config, reg)
         except FastsyncConfigError as exc:
             message = str(exc)
             if (
@@ -583,22 +251,56 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
     return report
 
 
-def _startup_problems(config: Any, worker_env: Mapping[str, str]) -> list[str]:
-    """The trainer worker's start-up checks (:mod:`verl_fastsync.verl.startup`, as ``WorkerState`` runs
-    them) against the environment the overrides give verl's Ray actors."""
-    from verl_fastsync.config import FastsyncConfigError
-    from verl_fastsync.verl import startup
+def _registry(blocked: Sequence[str]) -> tuple[Registry | None, str]:
+    """``(registry, "")`` of this process for ``blocked`` (what the trainer worker builds), or
+    ``(None, problem)``: a :class:`~verl_fastsync.plugins.PluginConflictError` (two distributions
+    claiming one name or one entry-point name; its message names both) or another plugin that cannot be
+    loaded becomes one problem line instead of a traceback."""
+    from verl_fastsync import plugins
 
-    checks = [startup.check_colocated_switch]
-    if config.enable:
-        checks.insert(0, startup.check_disabled_plugins)
-    out: list[str] = []
-    for check in checks:
-        try:
-            check(config, dict(worker_env))
-        except FastsyncConfigError as exc:
-            out.append(str(exc))
-    return out
+    try:
+        return plugins.registry(blocked), ""
+    except plugins.PluginConflictError as exc:
+        return None, f"plugin conflict: {exc}"
+    except plugins.PluginHookError as exc:
+        return None, f"the verl-fastsync plugins cannot be loaded: {exc}"
+    except Exception as exc:
+        return None, f"the plugin manager cannot be built: {type(exc).__name__}: {exc}"
+
+
+def _provided(entry: Provided) -> dict[str, Any]:
+    """One :class:`~verl_fastsync.plugins.Provided` as JSON: who provides the name, and what it replaced."""
+    old = entry.replaced
+    return {
+        "name": entry.name,
+        "plugin": entry.plugin,
+        "distribution": entry.distribution,
+        "builtin": entry.builtin,
+        "replaced": None
+        if old is None
+        else {"name": old.name, "plugin": old.plugin, "distribution": old.distribution},
+    }
+
+
+def plugin_listing(reg: Registry, blocked: Sequence[str] = ()) -> dict[str, Any]:
+    """``report["plugins"]`` for a :class:`~verl_fastsync.plugins.Registry`.
+
+    ``names`` lists, per hook, every provided name (sorted) with its plugin, its distribution and the
+    built-in it replaced (or None): ``names["pre_resume_cleanup"]`` and ``names["post_transfer_cleanup"]``
+    are lists, ``names["weight_transport"]`` maps each transport kind (``engine``, ``colocated``) to one.
+    """
+    from verl_fastsync import plugins
+
+    names: dict[str, Any] = {b: [_provided(p) for p in reg.cleanup[b].values()] for b in plugins.BOUNDARIES}
+    names["weight_transport"] = {
+        kind: [_provided(p) for p in reg.transports[kind].values()] for kind in plugins.TRANSPORT_KINDS
+    }
+    return {
+        "blocked": list(blocked),
+        "registered": sorted(name for name, plugin in reg.pm.list_name_plugin() if plugin is not None),
+        "hooks": plugins.hook_owners(reg),
+        "names": names,
+    }
 
 
 def _is_entry_point(name: str) -> bool:
@@ -610,6 +312,43 @@ def _is_entry_point(name: str) -> bool:
         return any(ep.name == name for ep in entry_points(group=NAME))
     except Exception:
         return False
+
+
+def _render_names(entries: Sequence[Mapping[str, Any]], prefix: str = "") -> list[str]:
+    """One line per plugin of the names it provides (in name order), and one per replaced name:
+    ``light from better (better-light 1.0), replacing the built-in light of fastsync-cleanup (...)``."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for entry in entries:
+        old = entry.get("replaced")
+        key = (entry["plugin"], entry["distribution"]) + (
+            (entry["name"], old["plugin"], old["distribution"]) if old else ()
+        )
+        groups.setdefault(key, []).append(entry["name"])
+    lines = []
+    for key, names in groups.items():
+        line = f"    {prefix}{', '.join(names)} from {key[0]} ({key[1]})"
+        if len(key) > 2:
+            line += f", replacing the built-in {key[2]} of {key[3]} ({key[4]})"
+        lines.append(line)
+    return lines
+
+
+def _render_plugins(p: Mapping[str, Any]) -> list[str]:
+    """The plugin lines: who implements each hook, then which plugin provides which of its names."""
+    blocked = f"  (blocked: {', '.join(p['blocked'])})" if p["blocked"] else ""
+    if "error" in p:
+        return [f"plugins: cannot be loaded, see the ERROR below{blocked}"]
+    lines = [f"plugins: {', '.join(p['registered'])}{blocked}"]
+    names = p.get("names", {})
+    for hook, owners in p["hooks"].items():
+        lines.append(f"  hook {hook}: {', '.join(owners) or '(no implementation)'}")
+        provided = names.get(hook)
+        if isinstance(provided, Mapping):  # weight_transport: per kind
+            for kind, entries in provided.items():
+                lines.extend(_render_names(entries, f"{kind}: ") or [f"    {kind}: (no transport)"])
+        elif provided:
+            lines.extend(_render_names(provided))
+    return lines
 
 
 def render(report: dict[str, Any]) -> str:
@@ -636,13 +375,7 @@ def render(report: dict[str, Any]) -> str:
     for name, value in report.get("worker_env", {}).items():
         lines.append(f"  Ray actors' environment (override): {name}={value}")
     if "plugins" in report:
-        p = report["plugins"]
-        lines.append(
-            f"plugins: {', '.join(p['registered'])}"
-            + (f"  (blocked: {', '.join(p['blocked'])})" if p["blocked"] else "")
-        )
-        for hook, owners in p["hooks"].items():
-            lines.append(f"  hook {hook}: {', '.join(owners) or '(no implementation)'}")
+        lines.extend(_render_plugins(report["plugins"]))
     if "cleanup_policies" in report:
         for b, names in report["cleanup_policies"].items():
             lines.append(f"cleanup policies @ {b}: {', '.join(names) or '(none)'}")

@@ -1,0 +1,169 @@
+"""The command line of ``verl-fastsync doctor`` and the checks that run against it.
+
+This module owns:
+
+* reading the Hydra-style ``[+|++]key=value`` overrides (:func:`parse_overrides` ->
+  :class:`Overrides`): the fastsync keys, the Ray actors' environment
+  (``+ray_kwargs.ray_init.runtime_env.env_vars.NAME=value``), the keys doctor ignores, and the
+  overrides Hydra refuses (a fastsync key without the leading ``+``);
+* the checks of the load route against that environment (:func:`_route_problem`: no verl process
+  would import the plugin) and the trainer worker's start-up checks (:func:`_startup_problems`, the
+  code of :mod:`verl_fastsync.verl.startup`);
+* the hint added to an unknown-transport message (:func:`_with_usable`).
+
+The report itself is built in :mod:`verl_fastsync.tools.doctor`; what the host and the verl install
+give is :mod:`verl_fastsync.tools.doctor_env`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from verl_fastsync.config import ENGINE_KEY_PREFIX, KEY_PREFIX
+from verl_fastsync.tools.doctor_env import ENV_MODULES, ENV_ROUTE, RAY_ENV_PREFIX
+
+__all__ = ["OverrideError", "Overrides", "parse_overrides"]
+
+
+class OverrideError(ValueError):
+    """A command-line override that is not ``[+|++]key=value``."""
+
+
+@dataclasses.dataclass
+class Overrides:
+    """What doctor reads from the command line."""
+
+    tree: dict[str, Any]
+    """The fastsync keys as a nested mapping (values parsed by OmegaConf's YAML value grammar, as Hydra
+    does)."""
+    ignored: list[str]
+    """Keys doctor does not check (verl's own)."""
+    worker_env: dict[str, str]
+    """``+ray_kwargs.ray_init.runtime_env.env_vars.NAME=value``: the environment of verl's Ray actors."""
+    problems: list[str]
+    """Overrides Hydra refuses (a fastsync key without the leading ``+``)."""
+
+
+def _is_fastsync_key(key: str) -> bool:
+    return (
+        key == KEY_PREFIX
+        or key.startswith((KEY_PREFIX + ".", ENGINE_KEY_PREFIX + "."))
+        or key == (ENGINE_KEY_PREFIX)
+    )
+
+
+def _is_ray_env_key(key: str) -> bool:
+    return key == RAY_ENV_PREFIX or key.startswith(RAY_ENV_PREFIX + ".")
+
+
+def _needs_plus(raw: str, key: str) -> str:
+    return (
+        f"{raw!r}: Hydra refuses it (\"Could not override '{key}'\"): the key is not in verl's config, so "
+        f"it can only be added, not overridden; add the leading +: +{raw} "
+        "(allowed: +key=value or ++key=value)"
+    )
+
+
+def parse_overrides(overrides: Sequence[str]) -> Overrides:
+    """Hydra-style ``[+|++]key=value`` overrides -> :class:`Overrides`.
+
+    Raises :class:`OverrideError` for an argument that is not an override at all.
+    """
+    from omegaconf import OmegaConf
+
+    dotlist: list[str] = []
+    env_dotlist: list[str] = []
+    ignored: list[str] = []
+    problems: list[str] = []
+    for raw in overrides:
+        if raw.startswith("~"):
+            raise OverrideError(
+                f"{raw!r}: deleting a key is not supported by doctor; allowed: [+|++]key=value"
+            )
+        plus = len(raw) - len(raw.lstrip("+"))
+        item = raw[plus:]
+        key, sep, _value = item.partition("=")
+        if not sep or not key or plus > 2:
+            raise OverrideError(f"{raw!r} is not an override; allowed: [+|++]key=value")
+        if _is_fastsync_key(key):
+            dotlist.append(item)
+        elif _is_ray_env_key(key):
+            env_dotlist.append(item)
+        else:
+            ignored.append(key)
+            continue
+        if plus == 0:
+            problems.append(_needs_plus(raw, key))
+    try:
+        conf = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist), resolve=True)
+        env_conf = OmegaConf.to_container(OmegaConf.from_dotlist(env_dotlist), resolve=True)
+    except Exception as exc:
+        raise OverrideError(f"cannot parse overrides {dotlist + env_dotlist}: {exc}") from exc
+    env = _dig(env_conf, RAY_ENV_PREFIX)
+    if env is not None and not isinstance(env, dict):
+        raise OverrideError(
+            f"{RAY_ENV_PREFIX}={env!r} is not a mapping; allowed: +{RAY_ENV_PREFIX}.NAME=value"
+        )
+    worker_env = {str(k): "" if v is None else str(v) for k, v in (env or {}).items()}
+    assert isinstance(conf, dict)
+    return Overrides(tree=conf, ignored=ignored, worker_env=worker_env, problems=problems)  # type: ignore[arg-type]
+
+
+def _dig(mapping: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(mapping, dict) or part not in mapping:
+            return None
+        mapping = mapping[part]
+    return mapping
+
+
+def _with_usable(message: str, kind: str, transports: dict[str, Any]) -> str:
+    """An unknown-transport message (the worker's, verbatim) plus what can run on this host."""
+    usable = transports[kind]["available"]
+    return f"{message}; usable on this host: {', '.join(usable) or '(none)'}"
+
+
+def _route_problem(report: dict[str, Any], wanted_by: list[str]) -> str | None:
+    """Why no verl process would load the plugin that ``wanted_by`` needs (None: it gets loaded)."""
+    v = report["verl"]
+    if not v.get("installed") or not v.get("env_route_needed") or v.get("env_route_configured"):
+        return None
+    what = " and ".join(wanted_by)
+    value = v.get("env_route_override")
+    if value is not None:
+        return (
+            f"{what}, but {v['load_route_why']} and {RAY_ENV_PREFIX}.{ENV_MODULES}={value!r} does not name "
+            f"verl_fastsync; allowed: a comma-separated list of modules that includes verl_fastsync, "
+            f"e.g. {ENV_ROUTE}"
+        )
+    shell = (
+        f" ({ENV_MODULES}=verl_fastsync in this shell does not count: it does not reach the Ray actors "
+        "of a running cluster; the override does)"
+        if v.get("env_route_active_here")
+        else ""
+    )
+    return (
+        f"{what}, but {v['load_route_why']}: no verl process imports verl-fastsync, so verl would run "
+        f"its own weight sync (and checkpoint_engine.backend=fastsync is unknown to it); add {ENV_ROUTE}"
+        + shell
+    )
+
+
+def _startup_problems(config: Any, worker_env: Mapping[str, str]) -> list[str]:
+    """The trainer worker's start-up checks (:mod:`verl_fastsync.verl.startup`, as ``WorkerState`` runs
+    them) against the environment the overrides give verl's Ray actors."""
+    from verl_fastsync.config import FastsyncConfigError
+    from verl_fastsync.verl import startup
+
+    checks = [startup.check_colocated_switch]
+    if config.enable:
+        checks.insert(0, startup.check_disabled_plugins)
+    out: list[str] = []
+    for check in checks:
+        try:
+            check(config, dict(worker_env))
+        except FastsyncConfigError as exc:
+            out.append(str(exc))
+    return out
