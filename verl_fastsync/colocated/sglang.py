@@ -20,13 +20,36 @@ The fastsync path uses that hook once per sync instead of once per bucket:
    :class:`~verl_fastsync.colocated.ColocatedReceiver`, handing each bucket to
    ``model.load_weights``.
 
+What the SGLang server must be started with: SGLang calls a ``load_format`` only if it is listed in
+its ``custom_weight_loader`` server argument (``WeightUpdater.update_weights_from_tensor`` raises
+``NotImplementedError("Unknown load_format=...")`` otherwise), so launch it with
+``custom_weight_loader=["verl_fastsync.colocated.sglang.sglang_fastsync_loader"]`` (CLI
+``--custom-weight-loader verl_fastsync.colocated.sglang.sglang_fastsync_loader``; in verl
+``+actor_rollout_ref.rollout.engine_kwargs.sglang.custom_weight_loader='["verl_fastsync.colocated.sglang.sglang_fastsync_loader"]'``),
+and with this package importable in its worker processes. SGLang releases with weight-update
+sessions (0.5.23 has them; verl 0.9.1 pins 0.5.12) also refuse ``update_weights_from_tensor``
+outside ``begin_weight_update()`` / ``end_weight_update()``; opening that session is the caller's
+part, as for verl's own per-bucket loop.
+
+The marker is SGLang's real wire format (checked against sglang 0.5.23 in
+``tests/test_sglang_format.py``): each TP rank's entry of ``serialized_named_tensors`` is the
+``MultiprocessingSerializer`` (``ForkingPickler``) bytes of ``[(name, tensor)]``, unpickled in the
+SGLang scheduler process by its allow-listing ``SafeUnpickler`` and moved with ``tensor.to(device)``.
+A CPU tensor *with data* pickles as a file descriptor lent through ``multiprocessing.resource_sharer``,
+which only a process holding the trainer's multiprocessing authkey can fetch (an SGLang scheduler
+fails with ``AuthenticationError``); so the request travels in the marker's *name* and its tensor is
+empty (pickled as ``rebuild_storage_empty``: no descriptor, no shared memory).
+
 SGLang is imported lazily and only by :func:`sglang_update_weights`; the loader itself needs only
-torch and this package, so it is tested here without SGLang (the request posting is not).
+torch and this package.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import contextlib
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any
 
@@ -54,24 +77,39 @@ SGLANG_LOADER_FQN = "verl_fastsync.colocated.sglang.sglang_fastsync_loader"
 """``load_format`` of the ``update_weights_from_tensor`` request: SGLang imports and calls it."""
 
 MARKER_NAME = "__verl_fastsync_colocated_pull__"
-"""Name of the marker tensor that carries a :class:`PullRequest` through SGLang's request
-(:class:`PullRequest` is :class:`verl_fastsync.wire.PullRequest`, with every other control message)."""
+"""Name prefix of the marker that carries a :class:`PullRequest` through SGLang's request: the name
+is ``MARKER_NAME + ":" + base64(msgspec PullRequest)`` (:class:`PullRequest` is
+:class:`verl_fastsync.wire.PullRequest`, with every other control message)."""
 
 
 def pull_request_tensor(zmq_handle: str, timeout_s: float) -> tuple[str, torch.Tensor]:
-    """The ``(name, tensor)`` marker to put in a rank's ``serialized_named_tensors``."""
+    """The ``(name, tensor)`` marker to put in a rank's ``serialized_named_tensors``: the request in
+    the name, an empty tensor (it pickles with no file descriptor or shared memory, see above)."""
     data = encode_pull_request(PullRequest(zmq_handle=zmq_handle, timeout_s=float(timeout_s)))
-    return MARKER_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+    return f"{MARKER_NAME}:{base64.b64encode(data).decode('ascii')}", torch.empty(0, dtype=torch.uint8)
+
+
+def _marker_bytes(name: str, tensor: Any) -> bytes | None:
+    if name.startswith(MARKER_NAME + ":"):
+        try:
+            return base64.b64decode(name[len(MARKER_NAME) + 1 :], validate=True)
+        except (binascii.Error, ValueError):
+            raise ColocatedProtocolError(
+                f"verl-fastsync SGLang loader: the {MARKER_NAME!r} marker's name is not base64"
+            ) from None
+    if name == MARKER_NAME:  # the earlier form: the request in the tensor's bytes
+        raw = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
+        return bytes(raw.cpu().numpy().tobytes())
+    return None
 
 
 def read_pull_request(named_tensors: Iterable[tuple[str, Any]]) -> PullRequest:
     """Find and decode the marker; a clear error when it is absent or of another version."""
     items = list(named_tensors)
     for name, tensor in items:
-        if name != MARKER_NAME:
+        data = _marker_bytes(name, tensor)
+        if data is None:
             continue
-        raw = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
-        data = raw.cpu().numpy().tobytes()
         try:  # the one version rule of every control message
             return decode_pull_request(data, peer="the trainer's pull request")
         except WireError as exc:
@@ -125,7 +163,7 @@ async def sglang_update_weights(
     :param tp_zmq_handles: on the TP leader, the endpoints of all TP ranks in TP order; else ``None``.
     :param transport: colocated transport (``ipc``; ``shm`` where the device has no IPC, e.g. NPU).
     """
-    post: asyncio.Task[Any] | None = None
+    post: asyncio.Future[Any] | None = None
     if engine is not None:
         if not tp_zmq_handles:
             raise ValueError("the TP leader must pass tp_zmq_handles (one endpoint per TP rank)")
@@ -133,6 +171,7 @@ async def sglang_update_weights(
         from sglang.srt.utils import MultiprocessingSerializer
 
         request = UpdateWeightsFromTensorReqInput(
+            # one entry per TP rank, raw bytes (verl's HTTP adapter base64-encodes them itself)
             serialized_named_tensors=[
                 MultiprocessingSerializer.serialize([pull_request_tensor(handle, timeout_s)])
                 for handle in tp_zmq_handles
@@ -140,12 +179,37 @@ async def sglang_update_weights(
             load_format=SGLANG_LOADER_FQN,
             flush_cache=flush_cache,
         )
-        post = asyncio.ensure_future(engine.update_weights_from_tensor(request))
+        post = asyncio.ensure_future(_post(engine, request))
     sender = ColocatedSender(
         zmq_handle, bucket_size_mb, use_shm=transport == "shm", transport=transport, timeout_s=timeout_s
     )
+    send = asyncio.ensure_future(sender.async_send_weights(weights))
     try:
-        await sender.async_send_weights(weights)
+        if post is not None:
+            await asyncio.wait({send, post}, return_when=asyncio.FIRST_COMPLETED)
+            if not send.done() and post.done() and (post.cancelled() or post.exception() is not None):
+                # SGLang refused the request (loader not registered, no session, ...): its worker
+                # will never pull, so stop now with SGLang's reason instead of at the sender's timeout
+                send.cancel()
+                with contextlib.suppress(BaseException):
+                    await send
+                post.result()
+        await send
     finally:
+        if not send.done():
+            send.cancel()
+            with contextlib.suppress(BaseException):
+                await send
         if post is not None:
             await post
+
+
+async def _post(engine: Any, request: Any) -> Any:
+    """Post the request; raise SGLang's message when it answers with ``success`` false (verl's HTTP
+    adapter raises on the 400 itself; SGLang's ``Engine`` returns ``(success, message)``)."""
+    result = await engine.update_weights_from_tensor(request)
+    if isinstance(result, dict) and result.get("success") is False:
+        raise RuntimeError(f"SGLang refused the verl-fastsync weight update: {result.get('message')}")
+    if isinstance(result, tuple) and len(result) == 2 and result[0] is False:
+        raise RuntimeError(f"SGLang refused the verl-fastsync weight update: {result[1]}")
+    return result
