@@ -80,6 +80,19 @@ def test_fastsync_key_without_plus_is_refused_like_hydra() -> None:
     assert all("add the leading +" in p for p in report["problems"])
 
 
+@pytest.mark.timeout(150)
+def test_overrides_composed_against_verls_own_ppo_trainer_config() -> None:
+    """Any override verl's Hydra would refuse (here a typo in a verl key, which no fastsync check
+    knows about) is a problem, with Hydra's own words; verl's real keys compose fine."""
+    rc, report, _ = _doctor(f"+{KEY}.enable=true", "actor_rollout_ref.rolout.n=2", ROUTE)
+    assert rc == 1
+    [problem] = report["problems"]
+    assert problem.startswith("verl's ppo_trainer config refuses these overrides (Hydra: "), problem
+    assert "Could not override 'actor_rollout_ref.rolout.n'" in problem, problem
+    rc, report, _ = _doctor(f"+{KEY}.enable=true", "actor_rollout_ref.rollout.n=2", ROUTE)
+    assert rc == 0, report["problems"]
+
+
 # ------------------------------------------------------------- 2. the engine's engine_kwargs check
 
 

@@ -60,6 +60,7 @@ from verl_fastsync.tools.doctor_checks import (
     _route_problem,
     _startup_problems,
     _with_usable,
+    compose_problem,
     parse_overrides,
 )
 from verl_fastsync.tools.doctor_env import (
@@ -144,6 +145,10 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
     report["verl"] = verl_info(worker_env)
     if report["verl"].get("import_error"):
         problems.append(f"import verl failed: {report['verl']['import_error']}")
+    if parsed is not None:
+        refused = compose_problem(overrides, report["verl"].get("path"))
+        if refused:
+            problems.append(refused)
     wanted_by = [f"{KEY_PREFIX}.enable=true"] if config is not None and config.enable else []
     if engine_kwargs:
         wanted_by.append(f"{ENGINE_KEY_PREFIX}.* is set")

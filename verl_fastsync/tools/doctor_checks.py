@@ -18,6 +18,7 @@ give is :mod:`verl_fastsync.tools.doctor_env`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -167,3 +168,35 @@ def _startup_problems(config: Any, worker_env: Mapping[str, str]) -> list[str]:
         except FastsyncConfigError as exc:
             out.append(str(exc))
     return out
+
+
+def compose_problem(overrides: Sequence[str], verl_dir: str | None) -> str | None:
+    """What Hydra says when it composes ``overrides`` against the installed verl's own
+    ``ppo_trainer`` config (verl's ``main_ppo`` does the same at start), or None when it accepts
+    them. Fastsync keys lacking their ``+`` are composed with it: that problem is reported once,
+    by :func:`parse_overrides`. Needs only hydra and verl's config files, not ``import verl``."""
+    if verl_dir is None:
+        return None
+    config_dir = os.path.join(verl_dir, "trainer", "config")
+    if not os.path.isfile(os.path.join(config_dir, "ppo_trainer.yaml")):
+        return None
+    fixed = []
+    for raw in overrides:
+        key = raw.lstrip("+").partition("=")[0]
+        needs_plus = _is_fastsync_key(key) or _is_ray_env_key(key)
+        fixed.append(f"+{raw}" if needs_plus and not raw.startswith("+") else raw)
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+    except ImportError:  # pragma: no cover - hydra comes with verl
+        return None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            compose(config_name="ppo_trainer", overrides=fixed)
+    except Exception as exc:  # Hydra's own errors name the override and what it allows
+        text = " ".join(str(exc).split())
+        return f"verl's ppo_trainer config refuses these overrides (Hydra: {type(exc).__name__}: {text})"
+    finally:
+        GlobalHydra.instance().clear()
+    return None
