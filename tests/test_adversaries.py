@@ -111,7 +111,9 @@ def test_sender_keeps_no_produced_tensor_lazy_producer(transport: str) -> None:
         result = cluster.sync(LAZY_MODEL, send_extra={"producer": "lazy"}, recv_extra={"hash": False})
         sender = result["senders"][0]
         largest = 8 * MIB
-        slack = 6 * MIB  # allocator and interpreter noise
+        # the first sync's one-time state (event loop, lazy imports, zmq: 2-7 MiB measured, more on
+        # a loaded host) and allocator noise; 4 kept source tensors (32 MiB) still fail the bound
+        slack = 12 * MIB
         assert sender["rss_delta"] <= largest + slack, (
             f"sender RSS grew by {sender['rss_delta'] / MIB:.1f} MiB during the sync; the producer's "
             f"live tensor is {largest / MIB:.0f} MiB"

@@ -101,7 +101,9 @@ def test_peak_memory_bounds(transport: str) -> None:
     * Sender RSS: the model is produced lazily, after the baseline (the bucket buffers were allocated
       at ``init_process_group``, before it), so the sender's growth is the producer's one live tensor
       plus noise. A sender that kept the source tensors of a bucket (32 MiB here, 8 tensors of 4 MiB)
-      would exceed that bound by more than the 6 MiB allowed for interpreter/allocator noise.
+      would exceed that bound: 38-39 MiB measured against the 24 MiB allowed (the largest tensor + 12 MiB
+      for the first sync's one-time state - event loop, lazy imports, zmq: 2-7 MiB measured, more on a
+      loaded host - and allocator noise).
     * Receiver RSS: <= its two buckets + the largest tensor + the noise allowance.
     """
     bucket = 32 * MIB
@@ -112,7 +114,7 @@ def test_peak_memory_bounds(transport: str) -> None:
         TensorSpec("moe", (6, MIB), "int8"),
         TensorSpec("norm", (4096,), "float32"),
     ]
-    slack = 6 * MIB
+    slack = 12 * MIB  # see the docstring: a kept bucket of sources (32 MiB) still fails the bound
     ctor = {"bucket_size": bucket, "timeout_s": 60}
     with Cluster(transport, 1, 1, mode="transport", ctor=ctor, env=EXACT_RSS_ENV) as cluster:
         result = cluster.sync(specs, seed=5, send_extra={"producer": "lazy"})
