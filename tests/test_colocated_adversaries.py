@@ -178,7 +178,7 @@ def test_lazy_producer_sender_rss_peak(handle: str) -> None:
     # measured, more on a loaded host, and still there after the sync); warm: zmq messages, metadata,
     # allocator rounding. The warm bound is the sharp one: a kept bucket of source tensors (8 MiB) or
     # the kept oversize tensor (20 MiB) fails it; cold only guards the slots' size.
-    slacks = (8 * MiB, 1 * MiB)
+    slacks = (8 * MiB, 3 * MiB)  # warm measured 19.8-20.0 MiB; a kept bucket of sources adds 8
     for (baseline, peak, live_before), slots, slack, label in zip(
         report[1], (2 * bucket_mb * MiB, 0), slacks, ("cold", "warm"), strict=True
     ):
