@@ -107,5 +107,6 @@ def test_slot_works_share_one_deadline() -> None:
     with pytest.raises(TransportTimeoutError, match=r"timed out after 0.5s waiting for rollout ranks"):
         transport._wait_slot_free(0)
     elapsed = time.monotonic() - start
-    assert elapsed <= timeout + 0.3, f"one slot took {elapsed:.2f}s with timeout_s={timeout}"
+    # the old code took 2.4 s (and raised nothing); 1 s of slack for a loaded host
+    assert elapsed <= timeout + 1.0, f"one slot took {elapsed:.2f}s with timeout_s={timeout}"
     assert works[1].timeouts and works[1].timeouts[0] <= timeout - 0.3, works[1].timeouts
