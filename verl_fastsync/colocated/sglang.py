@@ -191,14 +191,14 @@ async def sglang_update_weights(
                 # SGLang refused the request (loader not registered, no session, ...): its worker
                 # will never pull, so stop now with SGLang's reason instead of at the sender's timeout
                 send.cancel()
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(Exception, asyncio.CancelledError):
                     await send
                 post.result()
         await send
     finally:
         if not send.done():
             send.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await send
         if post is not None:
             await post
