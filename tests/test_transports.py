@@ -32,6 +32,7 @@ from verl_fastsync.plugins import (
     select_transport,
 )
 from verl_fastsync.transports.base import LazyTransportClass, TransportOptions, base_topology
+from verl_fastsync.wire import WIRE_SCHEMA_VERSION
 
 BASE = 4096
 MODEL = synthetic_model(BASE)
@@ -196,7 +197,7 @@ def test_incompatible_wire_version_rejected() -> None:
         send_status, send_msg = cluster.wait_result(0, timeout=60)
         cluster.call_all("finalize")
     assert recv_status == "err" and "WireVersionError" in recv_msg
-    assert "sent version 99, this side speaks version 1" in recv_msg
+    assert f"sent version 99, this side speaks version {WIRE_SCHEMA_VERSION}" in recv_msg
     assert send_status == "err" and "timed out after 4s" in send_msg and "phase 'handshake'" in send_msg
 
 

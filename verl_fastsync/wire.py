@@ -66,7 +66,7 @@ __all__ = [
     "encode_pull_request",
 ]
 
-WIRE_SCHEMA_VERSION = 1
+WIRE_SCHEMA_VERSION = 2
 """Version of the control messages; a receiver rejects any other version."""
 
 
@@ -89,6 +89,8 @@ class Hello(_Base, tag="hello"):
     mapped: list[str] = msgspec.field(default_factory=list)
     """Buffers of an earlier sync this receiver still has attached (e.g. shm segment names): the
     sender reuses them when every receiver has them."""
+    lent: list[str] = msgspec.field(default_factory=list)
+    """Those of ``mapped`` its consumer still references (lent, see ``BucketAck.kept``)."""
 
 
 class PeerBuffers(_Base, tag="peer-buffers"):
@@ -107,7 +109,7 @@ class PeerBuffers(_Base, tag="peer-buffers"):
 class Welcome(_Base, tag="welcome"):
     bucket_size: int
     buffers: list[str]
-    """Transport-specific handles of the two bucket buffers (e.g. shared-memory segment names)."""
+    """Transport-specific handles of the bucket buffers (e.g. shared-memory segment names)."""
     verify: bool = False
 
 
@@ -121,12 +123,25 @@ class BucketReady(_Base, tag="bucket"):
     slot: int
     nbytes: int
     chunks: list[ChunkMeta]
+    buffer: str = ""
+    """Which of the sender's buffers holds the bucket, where a slot can move between buffers (shm:
+    a segment name); empty: the slot's own buffer."""
+    dropped: list[str] = msgspec.field(default_factory=list)
+    """Buffers the sender no longer uses: receivers unmap them."""
 
 
 class BucketAck(_Base, tag="ack"):
     rank: int
     bucket_index: int
     slot: int
+    kept: bool = False
+    """The consumer still references the bucket's buffer (it was lent): never write into it again
+    until this receiver names it in ``returned``."""
+    returned: list[str] = msgspec.field(default_factory=list)
+    """Buffers this receiver kept earlier whose last reference is gone."""
+    address: int = 0
+    """Where the sender writes this slot from now on (RDMA-style transports: one of the addresses the
+    receiver announced in ``PeerBuffers``); 0: where it wrote so far."""
 
 
 class SyncEnd(_Base, tag="end"):

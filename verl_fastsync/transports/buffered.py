@@ -6,10 +6,15 @@ implements the double buffering (bucket ``k+1`` is packed while bucket ``k`` mov
 buffers per side), the timeouts, the verify checksums, the abort path and the statistics once; a
 concrete transport only supplies the buffers and how a bucket moves.
 
-Receiver contract: by default (``TransportOptions.zero_copy=False``) every yielded tensor is its own
-memory and stays valid as long as the consumer holds it. With ``zero_copy=True`` a tensor carried
-whole in one chunk is a view into the receive bucket, valid only until the consumer asks for the
-next tensor.
+Receiver contract: by default (``TransportOptions.zero_copy=False``) every yielded tensor stays
+valid, with the bytes the sender sent, for as long as the consumer holds it. A transport that sets
+:attr:`BufferedTransport.lends` keeps that promise without a copy for tensors carried whole in one
+chunk: it lends views into its host receive buffer (:mod:`verl_fastsync.io.lending`) and, when the
+consumer still references a buffer where its slot is needed again, gives the slot another buffer
+(:meth:`BufferedTransport._swap_receive_buffer`). Other transports, device buffers and tensors
+assembled from several chunks get their own memory (one copy). With ``zero_copy=True`` a tensor
+carried whole in one chunk is a view into the receive bucket, valid only until the consumer asks for
+the next tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from verl_fastsync.chunks import Allocate, Assembler, bucket_chunk_views
-from verl_fastsync.transports.base import TransferStats, TransportError
+from verl_fastsync.io.lending import Lease, LendingPool, lend
+from verl_fastsync.transports.base import TransferStats, TransportError, allocate_bucket_buffers
 from verl_fastsync.transports.lifecycle import InFlight
 from verl_fastsync.transports.sending import SendingTransport
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
@@ -44,8 +50,48 @@ class BufferedTransport(SendingTransport):
     :meth:`_release_slot`.
     """
 
+    lends: bool = False
+    """The receiver lends views into its host receive buffers instead of copying (the safe default,
+    see the module docstring); the transport then implements :meth:`_swap_receive_buffer`."""
+
+    _lending_pool: LendingPool | None = None
+
     @abstractmethod
     def _receiver_buffer(self, slot: int) -> torch.Tensor: ...
+
+    def _swap_receive_buffer(self, slot: int, buffer: torch.Tensor) -> None:
+        """Receive into ``buffer`` from now on in ``slot``: the consumer still holds the slot's last
+        buffer (tell the sender where it needs to know)."""
+        raise NotImplementedError(f"{type(self).__name__} sets lends but cannot swap receive buffers")
+
+    def _can_lend(self, slot: int) -> bool:
+        """Whether the bucket now in ``slot`` may be lent (else its tensors are copied out)."""
+        return True
+
+    def _lends_now(self) -> bool:
+        return self.lends and not self.options.zero_copy and torch.device(self.options.device).type == "cpu"
+
+    def _spare_pool(self) -> LendingPool:
+        pool = self._lending_pool
+        if pool is None or pool.size != self.bucket_size:
+            pool = LendingPool(self.bucket_size, lambda size: allocate_bucket_buffers(size, count=1)[0])
+            self._lending_pool = pool
+        return pool
+
+    def _drop_lending_pool(self) -> None:
+        """Forget spares and loans (the consumer's views keep their memory alive by themselves)."""
+        pool, self._lending_pool = self._lending_pool, None
+        if pool is not None:
+            pool.clear()
+
+    def _settle(self, slot: int, lease: Lease) -> None:
+        """Before ``slot`` is released: if the consumer still references its buffer, the buffer stays
+        with the consumer and the slot receives into a spare from now on."""
+        pool = self._spare_pool()
+        pool.reclaim()
+        if lease.active:
+            pool.loan(lease)
+            self._swap_receive_buffer(slot, pool.take())
 
     @abstractmethod
     def _recv_next(self) -> BucketReady | SyncEnd:
@@ -77,9 +123,10 @@ class BufferedTransport(SendingTransport):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastsync-{self.name}")
         loop = asyncio.get_running_loop()
+        lending = self._lends_now()
         assembler = Assembler(
             self.options.device,
-            zero_copy=self.options.zero_copy,
+            zero_copy=self.options.zero_copy or lending,
             verify=self.options.verify,
             allocate=self._destination_allocator(),
         )
@@ -126,7 +173,17 @@ class BufferedTransport(SendingTransport):
                 self._device_sync(buffer)
                 self.inflight.phase = "assemble"
                 self.inflight.bucket = message.bucket_index
-                for meta, data in bucket_chunk_views(buffer[: message.nbytes], message.chunks):
+                lease: Lease | None = None
+                if lending and buffer.device.type == "cpu" and self._can_lend(message.slot):
+                    lent, lease = lend(buffer)
+                    view = lent[: message.nbytes]
+                    del lent
+                else:
+                    view = buffer[: message.nbytes]
+                # views only of a lent buffer (or with the zero_copy opt-in), copies otherwise
+                assembler.zero_copy = self.options.zero_copy or lease is not None
+                data = view
+                for meta, data in bucket_chunk_views(view, message.chunks):
                     self.inflight.tensor = meta.name
                     stats.chunks += 1
                     stats.bytes += meta.chunk_size
@@ -142,9 +199,14 @@ class BufferedTransport(SendingTransport):
                         self.inflight.phase = "assemble"
                     if assembler.incomplete:
                         self.inflight.tensor = assembler.incomplete[0]
+                del view, data  # only the consumer may keep a lent view alive
                 stats.buckets += 1
                 stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
                 self._device_sync(buffer)  # non-blocking copies out of the slot are done
+                del buffer
+                if lease is not None:
+                    self._settle(message.slot, lease)
+                    lease = None
                 self._release_slot(message.slot, message.bucket_index)
                 if pending is None:
                     self.inflight.phase = "wait-bucket"

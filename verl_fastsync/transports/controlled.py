@@ -248,7 +248,11 @@ class ControlledTransport(BufferedTransport):
             if isinstance(message, BucketAck) and message.slot in (0, 1):
                 if self._slot_bucket[message.slot] == message.bucket_index:
                     self._slot_acks[message.slot].add(message.rank)
+                    self._on_ack(message)
         self._slot_bucket[slot] = None
+
+    def _on_ack(self, message: BucketAck) -> None:
+        """Sender: one receiver acked the bucket now in ``message.slot`` (hook, e.g. for lending)."""
 
     def _post_bucket(self, slot: int, message: BucketReady) -> None:
         self._slot_bucket[slot] = message.bucket_index

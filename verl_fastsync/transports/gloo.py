@@ -39,7 +39,14 @@ the sync only; the next sync reuses them while the peers are the same:
   (works still posted, no end seen) or :meth:`~GlooTransport.release` aborts the group and drops the
   store and the buffers (an aborted group is unusable); the next :meth:`prepare` of trainer rank 0
   opens a new store and everybody builds a new group.
-* Cost between syncs: two buckets per side, the group's sockets and threads (idle), the store.
+* Cost between syncs: two buckets per side (a receiver that lends, the default, keeps one spare
+  bucket more, see :mod:`verl_fastsync.io.lending`), the group's sockets and threads (idle), the
+  store.
+
+Receivers lend: a tensor carried whole in one chunk is handed to the consumer as a view into the
+receive buffer, and a buffer the consumer still references when its slot is needed again stays with
+the consumer while the slot takes a spare, so no received byte is copied and none is overwritten
+under a consumer that holds it.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ class GlooTransport(BufferedTransport):
 
     name: ClassVar[str] = "gloo"
     prefetch: ClassVar[bool] = True
+    lends = True  # receive buffers are private: a slot whose buffer is on loan just takes another
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
@@ -195,6 +203,7 @@ class GlooTransport(BufferedTransport):
             self._build_group(key)
         if len(self._bufs) != 2 or any(buf.numel() != self.bucket_size for buf in self._bufs):
             self._bufs = []
+            self._drop_lending_pool()
             self._bufs = allocate_bucket_buffers(self.bucket_size)
             self.buffers_allocated += 1
         self._slot_works = [[], []]
@@ -261,6 +270,7 @@ class GlooTransport(BufferedTransport):
         self._store = None
         self._store_addr = ""
         self._bufs = []
+        self._drop_lending_pool()
         self._slot_works = [[], []]
         self._keep = [[], []]
         self._mid_sync = False
@@ -398,6 +408,9 @@ class GlooTransport(BufferedTransport):
             for work in works:
                 self._wait(work, self._peer, deadline)
         return message
+
+    def _swap_receive_buffer(self, slot: int, buffer: torch.Tensor) -> None:
+        self._bufs[slot] = buffer  # the sender broadcasts; where a receiver lands it is its own affair
 
     def _release_slot(self, slot: int, bucket_index: int) -> None:
         """Nothing to tell: the next receive into this slot is only posted after this call."""

@@ -10,8 +10,16 @@ each rollout rank's registered bucket), a pyzmq channel carries the control mess
   ``Attached``.
 * Per bucket: the sender waits for every receiver's ack of the bucket last held in the slot, packs
   the bucket, WRITEs its used bytes into each receiver's buffer of the same slot, waits for the
-  WRITEs (bounded by ``timeout_s``) and sends ``BucketReady``. Receivers read in place (zero copy
-  for whole tensors) and ack when their consumer moved on.
+  WRITEs (bounded by ``timeout_s``) and sends ``BucketReady``. Receivers read in place and ack when
+  their consumer moved on.
+* **Lending (the safe default on host memory):** a host receiver registers two spare buckets beside
+  its two slots (all four announced in ``PeerBuffers``, slots first) and hands the consumer views into
+  the bucket. When its consumer still references the bucket at the ack, the slot moves to a free
+  spare and the ack tells the sender the new address (``BucketAck.address``); the referenced buffer
+  is written again only after its last view is gone. A bucket arriving while no spare is free (the
+  consumer holds two buckets or more) is copied out instead, as are tensors split over several
+  buckets. A consumer iterating ``for name, t in weights`` holds the last tensor of the bucket it
+  just finished in its loop variable, so in steady state the buffers rotate and nothing is copied.
 
 The control flow (handshake, acks, end, abort, timeouts) is the ``shm`` transport's; only the
 buffers and the data movement differ. ``nixl`` is imported lazily, when a process group is built.
@@ -39,9 +47,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from verl_fastsync.io.lending import Lease
 from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers
 from verl_fastsync.transports.tcp import TcpControlledTransport
-from verl_fastsync.wire import BucketReady, Message, PeerBuffers, Welcome
+from verl_fastsync.wire import BucketAck, BucketReady, Message, PeerBuffers, Welcome
 
 __all__ = ["NixlTransport"]
 
@@ -61,6 +70,9 @@ class NixlTransport(TcpControlledTransport):
     # its WRITEs, a receiver polls the agent between control-channel checks (one-sided WRITEs over
     # some UCX transports, TCP among them, complete only while the target progresses).
     progress_poll_s: ClassVar[float | None] = 0.001
+    lends = True
+    spares: ClassVar[int] = 2
+    """Registered buckets a lending receiver keeps beside its two slots."""
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
@@ -71,6 +83,12 @@ class NixlTransport(TcpControlledTransport):
         self._remote: dict[bytes, PeerBuffers] = {}
         self._remote_names: dict[bytes, str] = {}
         self._local_descs: list[Any] = []
+        # sender: where each receiver wants each slot written; receiver: which buffer is each slot,
+        # buffers on loan to the consumer, and the address the next ack announces
+        self._slot_addrs: dict[bytes, list[int]] = {}
+        self._slot_buf: list[int] = [0, 1]
+        self._lent: dict[int, Lease] = {}
+        self._next_address = 0
         # a remote WRITE into (receiver) or out of (sender) our buffers may still be in flight
         self._peer_may_write = False
 
@@ -106,15 +124,18 @@ class NixlTransport(TcpControlledTransport):
         """Two registered bucket buffers of this sync's size: last sync's when they fit."""
         agent = self._ensure_agent()
         _mem_type, device, _dev_id = self._mem_type()
+        count = 2 + (self.spares if self.rank != 0 and self._lends_now() else 0)
         if (
-            len(self._bufs) == 2
+            len(self._bufs) == count
             and all(b.numel() == self.bucket_size and b.device == device for b in self._bufs)
             and self._reg is not None
         ):
             return
         self._drop_buffers(final=True)
-        self._bufs = allocate_bucket_buffers(self.bucket_size, device)
+        self._bufs = allocate_bucket_buffers(self.bucket_size, device, count=count)
         self._reg = agent.register_memory(self._bufs)
+        self._slot_buf = [0, 1]
+        self._lent = {}
 
     def _sender_setup(self) -> None:
         self._allocate()
@@ -122,10 +143,12 @@ class NixlTransport(TcpControlledTransport):
     def _on_hello(self, ident: bytes, message: Message) -> bool:
         if not isinstance(message, PeerBuffers):
             return False
-        if len(message.addresses) != 2:
+        if len(message.addresses) < 2:
             raise TransportError(
-                f"nixl transport: rollout rank {message.rank} sent {len(message.addresses)} buffers"
+                f"nixl transport: rollout rank {message.rank} sent {len(message.addresses)} buffers, "
+                "at least 2 (its slots) are needed"
             )
+        self._slot_addrs[ident] = list(message.addresses[:2])
         name = self._agent.add_remote_agent(message.agent_metadata)
         self._remote_names[ident] = name.decode() if isinstance(name, bytes) else str(name)
         self._remote[ident] = message
@@ -149,10 +172,16 @@ class NixlTransport(TcpControlledTransport):
             pid=os.getpid(),
             agent=self._agent_name,
             agent_metadata=self._agent.get_agent_metadata(),
-            addresses=[int(b.data_ptr()) for b in self._bufs],
+            addresses=self._announced_addresses(),
             mem_type=mem_type,
             device_id=dev_id,
         )
+
+    def _announced_addresses(self) -> list[int]:
+        """Every registered buffer, the two slots first (the sender writes only those, until an ack
+        moves a slot)."""
+        order = self._slot_buf + [i for i in range(len(self._bufs)) if i not in self._slot_buf]
+        return [int(self._bufs[i].data_ptr()) for i in order]
 
     def _attach(self, welcome: Welcome) -> None:
         pass
@@ -171,12 +200,14 @@ class NixlTransport(TcpControlledTransport):
         self._close_channel()  # the registered buffers stay for the next sync
         self._remote = {}
         self._remote_names = {}
+        self._slot_addrs = {}
 
     def _release_buffers(self) -> None:
         """Failed sync: the control channel closes; the buffers stay (see the module docstring)
         and are freed here only when no WRITE can be in flight."""
         self._remote = {}
         self._remote_names = {}
+        self._slot_addrs = {}
         if not self._peer_may_write:
             self._drop_buffers(final=False)
 
@@ -215,6 +246,8 @@ class NixlTransport(TcpControlledTransport):
         self._reg = None
         self._bufs = []
         self._peer_may_write = False
+        self._slot_buf = [0, 1]
+        self._lent = {}
 
     # -- data path ---------------------------------------------------------------------------
 
@@ -224,7 +257,43 @@ class NixlTransport(TcpControlledTransport):
     def _receiver_buffer(self, slot: int) -> torch.Tensor:
         if slot not in (0, 1):
             raise TransportError(f"nixl transport: sender named slot {slot}; only 0 and 1 exist")
-        return self._bufs[slot]
+        return self._bufs[self._slot_buf[slot]]
+
+    def _free_spares(self) -> list[int]:
+        for index, lease in list(self._lent.items()):
+            if not lease.active:
+                del self._lent[index]
+        return [i for i in range(len(self._bufs)) if i not in self._slot_buf and i not in self._lent]
+
+    def _can_lend(self, slot: int) -> bool:
+        return bool(self._free_spares())  # so that a slot still referenced at the ack can move
+
+    def _settle(self, slot: int, lease: Lease) -> None:
+        if not lease.active:
+            return
+        free = self._free_spares()
+        if not free:  # _can_lend saw a free spare and nothing took it since: cannot happen
+            raise TransportError(f"nixl transport: slot {slot} is still lent and no spare bucket is free")
+        self._lent[self._slot_buf[slot]] = lease
+        self._slot_buf[slot] = free[0]
+        self._next_address = int(self._bufs[free[0]].data_ptr())
+
+    def _release_slot(self, slot: int, bucket_index: int) -> None:
+        address, self._next_address = self._next_address, 0
+        ack = BucketAck(rank=self.rank or 0, bucket_index=bucket_index, slot=slot, address=address)
+        self._send_to(None, ack)
+
+    def _on_ack(self, message: BucketAck) -> None:
+        if not message.address:
+            return
+        ident = next((i for i, rank in self._peers.items() if rank == message.rank), None)
+        peer = self._remote.get(ident) if ident is not None else None
+        if ident is None or peer is None or message.address not in peer.addresses:
+            raise TransportError(
+                f"nixl transport: rollout rank {message.rank} moved slot {message.slot} to address "
+                f"{message.address:#x}, which it never announced"
+            )
+        self._slot_addrs[ident][message.slot] = message.address
 
     def _post_bucket(self, slot: int, message: BucketReady) -> None:
         try:
@@ -249,7 +318,7 @@ class NixlTransport(TcpControlledTransport):
             try:
                 for ident, peer in self._remote.items():
                     remote = agent.get_xfer_descs(
-                        [(int(peer.addresses[slot]), nbytes, peer.device_id)], peer.mem_type
+                        [(self._slot_addrs[ident][slot], nbytes, peer.device_id)], peer.mem_type
                     )
                     handle = agent.initialize_xfer("WRITE", local, remote, self._remote_names[ident])
                     state = agent.transfer(handle)

@@ -5,17 +5,29 @@ channel of :mod:`verl_fastsync.transports.controlled` on a private ``ipc://`` so
 * Segments (:class:`verl_fastsync.io.shm.Segment`): created by the sender, mode 0600, unguessable
   names. Receivers map them when the sender's ``Welcome`` names them and confirm ``Attached``; the
   sender then unlinks the names at once, so nothing is left in ``/dev/shm`` even if every process is
-  killed afterwards (the mappings stay valid until each side closes them).
+  killed afterwards (the mappings stay valid until each side closes them). A segment made mid-sync
+  is unlinked once every receiver acked the bucket it first carried.
 * **Segments live as long as the transport**, not one sync: ``finalize`` closes the control channel
   only. The next sync reuses both segments when every receiver reports (in its ``Hello``) that it
   still maps them; otherwise (a new receiver, another bucket size) the sender makes two new ones.
   They are released when a sync fails, by :meth:`ShmTransport.release`, or at process exit (names
-  are already gone, so exit leaks nothing). Cost between syncs: two buckets of shared memory.
+  are already gone, so exit leaks nothing). Cost between syncs: three buckets of shared memory (two
+  slots and the spare), plus any the consumer still holds.
 * Flow per bucket ``k``: the sender waits until every receiver acked the bucket last held in slot
-  ``k % 2``, copies bucket ``k``'s tensors into it (one memcpy per byte) and sends ``BucketReady``;
-  receivers copy each tensor out into its own memory (one memcpy per byte; ``zero_copy=True`` hands
-  out views instead) and ack once their consumer moved on. Copying bucket ``k+1`` in the sender
-  overlaps the receivers reading bucket ``k``.
+  ``k % 2``, copies bucket ``k``'s tensors into a segment (one memcpy per byte) and sends
+  ``BucketReady`` naming it; receivers hand the consumer views into the segment and ack once their
+  consumer moved on. Copying bucket ``k+1`` in the sender overlaps the receivers reading bucket
+  ``k``. Tensors split over several buckets are assembled into their own memory (one more copy).
+* **Lending (the safe default):** a receiver whose consumer still references a segment when it acks
+  says so (``BucketAck.kept``); the sender never writes into that segment again until the receiver
+  reports it back (``BucketAck.returned``, or ``Hello.lent`` no longer naming it) and packs the slot
+  into a spare instead, or a new segment when there is none (announced by ``BucketReady.buffer``,
+  mapped by receivers on first sight). A consumer iterating ``for name, t in weights`` still holds
+  the last tensor of the bucket it just finished in its loop variable, so in steady state three
+  segments rotate between the two slots: no copy out, and no byte changes under a consumer that
+  keeps tensors. The sender keeps at most one spare; segments beyond it are dropped
+  (``BucketReady.dropped``). ``zero_copy=True`` skips the bookkeeping (views valid only until the
+  next tensor is requested).
 """
 
 from __future__ import annotations
@@ -24,10 +36,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from verl_fastsync.io.lending import Lease
 from verl_fastsync.io.shm import SEGMENT_PREFIX, Segment, SegmentError
 from verl_fastsync.transports.base import TransportError
 from verl_fastsync.transports.controlled import ControlledTransport
-from verl_fastsync.wire import Hello, Message, Welcome
+from verl_fastsync.wire import BucketAck, BucketReady, Hello, Message, SyncEnd, Welcome
 
 __all__ = ["ShmTransport", "segment_prefix"]
 
@@ -43,15 +56,32 @@ class ShmTransport(ControlledTransport):
     """Shared-memory engine transport (see module docstring)."""
 
     name: ClassVar[str] = "shm"
+    lends = True
+    keep_spares: ClassVar[int] = 1
+    """Free segments the sender keeps beside the two slots (the rotation a lending receiver needs)."""
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
-        self._segments: list[Segment] = []
+        # both sides: every segment of the pool by name (the sender owns them, receivers map them)
+        self._pool: dict[str, Segment] = {}
+        self._slot_names: list[str] = ["", ""]
+        # sender: receivers' ranks holding each segment on loan; names to announce as dropped
+        self._loaned: dict[str, set[int]] = {}
+        self._dropped: list[str] = []
         self._peer_mapped: dict[bytes, list[str]] = {}
+        self._peer_lent: dict[bytes, list[str]] = {}
+        # receiver: segments its consumer still references, and those that came back since the last ack
+        self._kept: dict[str, Lease] = {}
+        self._returned: list[str] = []
+        self._keep_this: bool = False
+        self.segments_made = 0
+        """Segments this sender created (constant while the rotation keeps up)."""
 
     @property
     def segment_names(self) -> list[str]:
-        return [seg.name for seg in self._segments]
+        """The pool: the two slots' segments first."""
+        first = [n for n in self._slot_names if n in self._pool]
+        return first + [n for n in self._pool if n not in first]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -79,78 +109,171 @@ class ShmTransport(ControlledTransport):
         self._close_channel()  # the segments stay for the next sync
 
     def _release_buffers(self) -> None:
-        segments, self._segments = self._segments, []
-        for seg in segments:
+        pool, self._pool = self._pool, {}
+        for seg in pool.values():
             seg.unlink()
-            seg.close()
+            seg.close()  # a view the consumer still holds keeps its mapping until it goes
+        self._slot_names = ["", ""]
+        self._loaned = {}
+        self._dropped = []
+        self._kept = {}
+        self._returned = []
 
     # -- sender ------------------------------------------------------------------------------
 
+    def _new_segment(self) -> str:
+        seg = Segment.create(self.bucket_size)
+        self._pool[seg.name] = seg
+        self.segments_made += 1
+        return seg.name
+
     def _sender_setup(self) -> None:
-        if self._segments and all(seg.size == self.bucket_size for seg in self._segments):
+        if self._pool and all(seg.size == self.bucket_size for seg in self._pool.values()):
             return
         self._release_buffers()
         self._create_segments()
 
     def _create_segments(self) -> None:
-        for _ in range(2):
-            self._segments.append(Segment.create(self.bucket_size))
+        self._slot_names = [self._new_segment() for _ in range(2)]
 
     def _on_hello(self, ident: bytes, message: Message) -> bool:
         if isinstance(message, Hello):
             self._peers[ident] = message.rank
             self._peer_mapped[ident] = list(message.mapped)
+            self._peer_lent[ident] = list(message.lent)
             return True
         return False
 
     def _before_welcome(self) -> None:
-        names = self.segment_names
-        everyone = all(self._peer_mapped.get(ident) == names for ident in self._peers)
-        if not everyone and not all(seg.linked for seg in self._segments):
+        names = set(self._pool)
+        everyone = all(set(self._peer_mapped.get(ident, ())) == names for ident in self._peers)
+        if not everyone and not all(seg.linked for seg in self._pool.values()):
             # some receiver lacks the (already unlinked) segments: make two new ones for everybody
             self._release_buffers()
             self._create_segments()
+        else:
+            self._loaned = {}
+            for ident, lent in self._peer_lent.items():
+                for name in lent:
+                    if name in self._pool:
+                        self._loaned.setdefault(name, set()).add(self._peers[ident])
         self._peer_mapped = {}
+        self._peer_lent = {}
 
     def _welcome_buffers(self) -> list[str]:
         return self.segment_names
 
     def _all_attached(self) -> None:
-        for seg in self._segments:
+        for seg in self._pool.values():
             seg.unlink()  # every receiver mapped it: nothing can leak from here on
         super()._all_attached()
 
+    def _on_ack(self, message: BucketAck) -> None:
+        rank = message.rank
+        if message.kept:
+            self._loaned.setdefault(self._slot_names[message.slot], set()).add(rank)
+        for name in message.returned:
+            self._loaned.get(name, set()).discard(rank)
+
+    def _wait_slot_free(self, slot: int) -> None:
+        super()._wait_slot_free(slot)
+        seg = self._pool.get(self._slot_names[slot])
+        if seg is not None and seg.linked:
+            seg.unlink()  # every receiver acked a bucket in it, so every receiver mapped it
+
+    def _free_names(self) -> list[str]:
+        return [n for n in self._pool if not self._loaned.get(n) and n not in self._slot_names]
+
     def _sender_buffer(self, slot: int) -> torch.Tensor:
-        tensor = self._segments[slot].tensor
+        name = self._slot_names[slot]
+        if self._loaned.get(name):
+            free = self._free_names()
+            self._slot_names[slot] = free[0] if free else self._new_segment()
+        for name in self._free_names()[self.keep_spares :]:
+            seg = self._pool.pop(name)
+            seg.unlink()
+            seg.close()
+            self._loaned.pop(name, None)
+            self._dropped.append(name)
+        tensor = self._pool[self._slot_names[slot]].tensor
         assert tensor is not None
         return tensor
 
+    def _post_bucket(self, slot: int, message: BucketReady) -> None:
+        message.buffer = self._slot_names[slot]
+        message.dropped, self._dropped = self._dropped, []
+        super()._post_bucket(slot, message)
+
     # -- receiver ----------------------------------------------------------------------------
+
+    def _reclaim(self) -> None:
+        for name, lease in list(self._kept.items()):
+            if not lease.active:
+                del self._kept[name]
+                self._returned.append(name)
 
     def _hello_message(self) -> Message:
         hello = super()._hello_message()
         assert isinstance(hello, Hello)
-        hello.mapped = self.segment_names
+        self._reclaim()
+        self._returned = []  # the Hello's lent list says it all
+        hello.mapped = list(self._pool)
+        hello.lent = list(self._kept)
         return hello
 
     def _attach(self, welcome: Welcome) -> None:
-        if list(welcome.buffers) == self.segment_names and all(
-            seg.size >= self.bucket_size for seg in self._segments
+        if set(welcome.buffers) == set(self._pool) and all(
+            seg.size >= self.bucket_size for seg in self._pool.values()
         ):
             return  # the same segments as last sync
         self._release_buffers()
-        if len(welcome.buffers) != 2:
+        if len(welcome.buffers) < 2:
             raise TransportError(
-                f"shm transport: the sender named {len(welcome.buffers)} segments, expected 2"
+                f"shm transport: the sender named {len(welcome.buffers)} segments, expected at least 2"
             )
-        try:
-            for name in welcome.buffers:
-                self._segments.append(Segment.attach(name, self.bucket_size))
-        except SegmentError as exc:
-            raise TransportError(f"shm transport: {exc}") from exc
+        for name in welcome.buffers:
+            self._map(name)
+
+    def _map(self, name: str) -> Segment:
+        seg = self._pool.get(name)
+        if seg is None:
+            try:
+                seg = Segment.attach(name, self.bucket_size)
+            except SegmentError as exc:
+                raise TransportError(f"shm transport: {exc}") from exc
+            self._pool[name] = seg
+        return seg
+
+    def _recv_next(self) -> BucketReady | SyncEnd:
+        message = super()._recv_next()
+        if isinstance(message, BucketReady):
+            self._check_slot(message.slot)
+            for name in message.dropped:
+                seg = self._pool.pop(name, None)
+                self._kept.pop(name, None)
+                if seg is not None:
+                    seg.close()
+            if message.buffer:
+                self._map(message.buffer)
+                self._slot_names[message.slot] = message.buffer
+        return message
 
     def _receiver_buffer(self, slot: int) -> torch.Tensor:
         self._check_slot(slot)
-        tensor = self._segments[slot].tensor
-        assert tensor is not None
-        return tensor
+        seg = self._pool.get(self._slot_names[slot])
+        if seg is None or seg.tensor is None:
+            raise TransportError(f"shm transport: no segment is mapped for slot {slot}")
+        return seg.tensor
+
+    def _settle(self, slot: int, lease: Lease) -> None:
+        self._reclaim()
+        if lease.active:
+            self._kept[self._slot_names[slot]] = lease
+            self._keep_this = True
+
+    def _release_slot(self, slot: int, bucket_index: int) -> None:
+        kept, self._keep_this = self._keep_this, False
+        returned, self._returned = self._returned, []
+        rank = self.rank or 0
+        ack = BucketAck(rank=rank, bucket_index=bucket_index, slot=slot, kept=kept, returned=returned)
+        self._send_to(None, ack)

@@ -87,6 +87,7 @@ AUTO_DIVISOR = 16
 AUTO_FIRST = 64 << 20
 """``auto`` before the first sync, when the model's size is not known yet."""
 
+
 def free_memory_bytes(device: str) -> int:
     """Free memory where buckets live: the accelerator's free memory for a device, else host
     ``MemAvailable``."""
