@@ -255,7 +255,7 @@ class _Worker:
         base = reset_peak_rss()
         digests: list[Any] = []
 
-        held: list[tuple[str, Any]] = []
+        held: list[tuple[int, str, Any]] = []
 
         async def run() -> None:
             gen = self.engine.receive_weights() if self.mode == "engine" else self.engine.receive()
@@ -271,9 +271,13 @@ class _Worker:
                     stalls = {1: stalls}
                 if stalls.get(len(digests)):
                     time.sleep(stalls[len(digests)])
-                if extra.get("hold"):
-                    held.append((name, tensor))  # batches everything, loads at the end (SGLang)
+                every = int(extra.get("hold_every") or 1)
+                if extra.get("hold") and len(digests) % every == 0:
+                    # batches everything, loads at the end (SGLang); "views": keeps only a view
+                    kept = tensor.view(tensor.shape) if extra["hold"] == "views" else tensor
+                    held.append((len(digests), name, kept))
                     digests.append((name,))
+                    del kept
                 elif extra.get("hash", True):
                     digests.append(digest(name, tensor))
                 else:
@@ -289,9 +293,9 @@ class _Worker:
 
         t0 = time.perf_counter()
         asyncio.run(cancelled() if extra.get("cancel_after") is not None else run())
-        if extra.get("hold"):
-            digests = [digest(name, tensor) for name, tensor in held]
-            held.clear()
+        for index, name, tensor in held:
+            digests[index] = digest(name, tensor)
+        held.clear()
         seconds = time.perf_counter() - t0
         if self.mode == "engine":
             metrics = dict(self.engine.last_metrics)

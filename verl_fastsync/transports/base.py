@@ -137,6 +137,9 @@ class TransferStats:
     bucket_size: int = 0
     buffer_bytes: int = 0
     peak_extra_bytes: int = 0
+    copied_bytes: int = 0
+    """Receiver: bytes copied out of its buckets into memory of their own (tensors split over several
+    buckets, buckets that could not be lent); 0 when every tensor was lent."""
 
     @property
     def gbps(self) -> float:
@@ -145,7 +148,8 @@ class TransferStats:
 
     def as_metrics(self, prefix: str = "fastsync/transfer") -> dict[str, float]:
         side = "sender" if self.role == "sender" else "receiver"
-        return {
+        extra = {f"{prefix}/copied_bytes_receiver": float(self.copied_bytes)} if side == "receiver" else {}
+        return extra | {
             f"{prefix}/bytes": float(self.bytes),
             f"{prefix}/buckets": float(self.buckets),
             f"{prefix}/chunks": float(self.chunks),

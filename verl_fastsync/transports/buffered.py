@@ -226,6 +226,7 @@ class BufferedTransport(SendingTransport):
             self._safe_close()
             raise
         stats.tensors = assembler.num_tensors
+        stats.copied_bytes = assembler.allocated_bytes
         stats.seconds = time.perf_counter() - start
         stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
         self.inflight = InFlight()
