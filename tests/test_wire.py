@@ -69,7 +69,9 @@ def test_other_version_rejected_naming_both_versions() -> None:
         decode(msgspec.msgpack.encode(raw), peer="trainer")
     # a future message type with other fields is still reported as a version problem, not a field error
     with pytest.raises(WireVersionError):
-        decode(msgspec.msgpack.encode({"type": "new-thing", "schema_version": 2, "x": [1]}))
+        decode(
+            msgspec.msgpack.encode({"type": "new-thing", "schema_version": WIRE_SCHEMA_VERSION + 1, "x": [1]})
+        )
     # a message without a version at all (e.g. an ancient peer)
     with pytest.raises(WireVersionError, match=r"sent version 0 \(no schema_version: treated as 0\)"):
         decode(msgspec.msgpack.encode({"type": "hello", "rank": 1}))

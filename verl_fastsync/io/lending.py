@@ -82,6 +82,11 @@ class LendingPool:
         return len(self._on_loan)
 
     @property
+    def spares(self) -> int:
+        """Free buffers kept for the next swap."""
+        return len(self._spares)
+
+    @property
     def loaned_bytes(self) -> int:
         return sum(lease.buffer.numel() * lease.buffer.element_size() for lease in self._on_loan)
 

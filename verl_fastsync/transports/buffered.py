@@ -84,6 +84,11 @@ class BufferedTransport(SendingTransport):
         if pool is not None:
             pool.clear()
 
+    def _buffer_bytes(self) -> int:
+        """The two slots' buffers plus the spares kept for lending (buffers on loan are the consumer's)."""
+        pool = self._lending_pool
+        return super()._buffer_bytes() + (pool.spares * pool.size if pool is not None else 0)
+
     def _settle(self, slot: int, lease: Lease) -> None:
         """Before ``slot`` is released: if the consumer still references its buffer, the buffer stays
         with the consumer and the slot receives into a spare from now on."""
@@ -201,6 +206,7 @@ class BufferedTransport(SendingTransport):
                         self.inflight.tensor = assembler.incomplete[0]
                 del view, data  # only the consumer may keep a lent view alive
                 stats.buckets += 1
+                stats.buffer_bytes = max(stats.buffer_bytes, self._buffer_bytes())
                 stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
                 self._device_sync(buffer)  # non-blocking copies out of the slot are done
                 del buffer

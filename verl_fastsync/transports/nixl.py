@@ -92,6 +92,10 @@ class NixlTransport(TcpControlledTransport):
         # a remote WRITE into (receiver) or out of (sender) our buffers may still be in flight
         self._peer_may_write = False
 
+    def _buffer_bytes(self) -> int:
+        """The registered buckets: two slots, and on a lending receiver the spares."""
+        return max(2, len(self._bufs)) * self.bucket_size
+
     # -- setup -------------------------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:

@@ -149,6 +149,8 @@ class SendingTransport(TransportCore):
                 self._safe_close()
             raise
         stats.seconds = time.perf_counter() - start
+        stats.buffer_bytes = max(stats.buffer_bytes, self._buffer_bytes())  # e.g. a segment made mid-sync
+        stats.peak_extra_bytes = max(stats.peak_extra_bytes, stats.buffer_bytes)
         self.inflight = InFlight()
         return stats
 

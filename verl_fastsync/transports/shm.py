@@ -83,6 +83,10 @@ class ShmTransport(ControlledTransport):
         first = [n for n in self._slot_names if n in self._pool]
         return first + [n for n in self._pool if n not in first]
 
+    def _buffer_bytes(self) -> int:
+        """Every segment of the pool this side maps (the slots, the spare, the ones on loan)."""
+        return max(2, len(self._pool)) * self.bucket_size
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     @classmethod

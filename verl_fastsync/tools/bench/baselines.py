@@ -9,7 +9,8 @@
   ``torch.cuda.synchronize`` as the CPU stream's synchronize.
 * ``raw``: the mechanism alone, the limit a transport can reach: a ``torch.distributed`` gloo
   broadcast of the same bytes between the same two processes; a NIXL WRITE of the same bytes
-  between two agents in the same two processes.
+  between two agents in the same two processes; both processes copying the bytes at the same time
+  (the floor of any path that packs on one side and loads on the other).
 
 Every class here has the same shape as the fastsync paths in :mod:`.worker`: ``setup()`` per sync
 (metadata for the peer), ``connect(metas)``, ``transfer(tensors)``, ``end_sync()``, ``close()``.
@@ -283,6 +284,33 @@ class RawGloo(_Path):
         total = sum(t.numel() * t.element_size() for _, t in tensors)
         for n in _pieces(total, self.trial["bucket_bytes"]):
             dist.broadcast(self.buf[:n], src=0)
+        return {}
+
+
+class RawMemcpyPair(_Path):
+    """Both processes copy the model's bytes at the same time, bucket-sized pieces through one warm
+    buffer: the sender from its weights into the buffer, the receiver from the buffer into its
+    weights. Two passes over every byte, one in each process: what a path that packs on the sender
+    and loads on the receiver costs with no transport in between."""
+
+    def __init__(self, role: str, trial: dict[str, Any]) -> None:
+        import torch
+
+        self.role, self.trial = role, trial
+        self.buf = torch.ones(trial["bucket_bytes"], dtype=torch.uint8)
+
+    def transfer(self, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        step = self.buf.numel()
+        for _, tensor in tensors:
+            flat = tensor.reshape(-1).view(torch.uint8)
+            for off in range(0, flat.numel(), step):
+                piece = flat[off : off + step]
+                if self.role == "sender":
+                    self.buf[: piece.numel()].copy_(piece)
+                else:
+                    piece.copy_(self.buf[: piece.numel()])
         return {}
 
 

@@ -114,7 +114,8 @@ _SHORT_BASE = {
     "memcpy": "memcpy",
     "raw gloo broadcast": "raw gloo",
     "raw nixl WRITE": "raw nixl",
-    "fastsync engine shm": "copying",
+    "fastsync engine shm": "default",
+    "memcpy both procs": "memcpy x2",
 }
 
 
@@ -307,6 +308,8 @@ def _legend(result: dict[str, Any]) -> list[str]:
     for section in ("transfer", "idle"):
         for r in result.get(section, []):
             note = r["note"].split("; CPU seconds")[0]
+            if r.get("copies") and note:
+                note += f" [passes over each byte: {r['copies']}]"
             if note and r["row"] not in seen:
                 seen.add(r["row"])
                 by_note.setdefault(note, []).append(r["row"])

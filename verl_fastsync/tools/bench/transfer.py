@@ -24,6 +24,7 @@ from verl_fastsync.tools.bench.schema import ERROR, NOT_AVAILABLE, fill_ratios, 
 from verl_fastsync.tools.bench.worker import available_transports
 
 MEMCPY = "memcpy"
+MEMCPY_PAIR = "memcpy both procs"
 RAW_GLOO = "raw gloo broadcast"
 RAW_NIXL = "raw nixl WRITE"
 
@@ -38,19 +39,29 @@ class Path:
     path: str
     baseline: str | None
     note: str
+    copies: str = ""
+    """Passes over every byte on this path (the limit next to its ratio); empty: not stated."""
 
 
 def paths_for(transport: str) -> list[Path]:
     """Every path measured for ``transport``: fastsync's, verl's (labelled), the raw mechanism."""
+    wire = {"shm": "", "gloo": " + gloo's socket copies", "nixl": " + the NIXL WRITE"}.get(
+        transport, " + the transport"
+    )
     fs_engine = Path(
         "fastsync-engine", f"fastsync engine {transport}", "fastsync", "engine", None,
         "verl_fastsync engine transport, verl's lifecycle per sync (prepare, build_topology, "
         "init_process_group, send/receive, finalize)",
+        f"2: pack (sender), load (consumer){wire}; the receiver lends its buckets (no copy out)",
     )  # fmt: skip
     if transport == "shm":
         return [
+            Path("raw-memcpy-pair", MEMCPY_PAIR, "raw", "raw", MEMCPY,
+                 "both bench processes copy the same bytes at the same time through a warm bucket "
+                 "(sender: weights -> bucket, receiver: bucket -> weights)",
+                 "2, one in each process, at once: the floor of a path that packs and loads"),
             Path("fastsync-colocated", "fastsync colocated shm", "fastsync", "colocated", MEMCPY,
-                 "verl_fastsync.colocated ColocatedSender/Receiver"),
+                 "verl_fastsync.colocated ColocatedSender/Receiver", "2: pack (sender), load (consumer)"),
             Path("verl-colocated", "verl colocated shm", "verl-stand-in", "colocated", MEMCPY,
                  "verl's BucketedWeightSender/Receiver(use_shm=True) with a CPU device module "
                  "standing in for the accelerator"),
@@ -59,7 +70,7 @@ def paths_for(transport: str) -> list[Path]:
                  "fastsync engine shm",
                  "the same with engine_kwargs.fastsync.zero_copy=true (opt-in: tensors are views into "
                  "the bucket, valid until the next is requested); x baseline = what the safe default "
-                 "(a copy per received tensor: 'copying') costs"),
+                 "(lent buckets: 'default') costs", "2: pack (sender), load (consumer)"),
         ]  # fmt: skip
     if transport == "gloo":
         return [
@@ -68,7 +79,8 @@ def paths_for(transport: str) -> list[Path]:
                  "verl has no gloo engine: verl's split_weight_chunks/merge_weight_chunks (its "
                  "engines' bucketing, 0.8.0+) driven over a gloo broadcast by the bench"),
             Path("raw-gloo", RAW_GLOO, "raw", "raw", MEMCPY,
-                 "torch.distributed.broadcast of the same bytes between the same two processes"),
+                 "torch.distributed.broadcast of the same bytes between the same two processes",
+                 "0 (gloo's socket copies only: no pack, no load)"),
         ]  # fmt: skip
     if transport == "nixl":
         return [
@@ -76,7 +88,8 @@ def paths_for(transport: str) -> list[Path]:
             Path("verl-nixl", "verl nixl engine+shims", "verl", "engine", RAW_NIXL,
                  f"verl's NIXLCheckpointEngine(device='cpu'), {NIXL_SHIMS}"),
             Path("raw-nixl", RAW_NIXL, "raw", "raw", MEMCPY,
-                 "NIXL WRITE (UCX, DRAM) of the same bytes between two agents in the same two processes"),
+                 "NIXL WRITE (UCX, DRAM) of the same bytes between two agents in the same two processes",
+                 "0 (the WRITE only: no pack, no load)"),
         ]  # fmt: skip
     if transport == "nccl":
         return [
@@ -334,7 +347,7 @@ class Runner:
         row = make_row(
             trial.p.label, trial.p.kind, trial.transport, seconds if status == "ok" else [], spec.nbytes,
             status, trial.p.baseline, trial.p.note,
-            model=trial.model, bucket_bytes=trial.bucket_bytes, path=trial.p.path,
+            model=trial.model, bucket_bytes=trial.bucket_bytes, path=trial.p.path, copies=trial.p.copies,
             tensor_count=len(spec.tensors), largest_tensor_bytes=spec.largest_tensor_bytes,
             verified=verified if status == "ok" else None,
         )  # fmt: skip

@@ -155,6 +155,7 @@ PATHS: dict[str, Any] = {
     "verl-gloo": baselines.VerlGlooReconstruction,
     "verl-nixl": baselines.VerlNixlEngine,
     "raw-gloo": baselines.RawGloo,
+    "raw-memcpy-pair": baselines.RawMemcpyPair,
     "raw-nixl": baselines.RawNixl,
 }
 """Trial ``impl`` -> the class that runs it in a worker."""
