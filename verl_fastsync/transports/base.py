@@ -110,9 +110,11 @@ class TransportOptions:
     device: str = "cpu"
     """Where received tensors are allocated (``"cpu"`` or e.g. ``"cuda:0"``)."""
     zero_copy: bool = False
-    """``False`` (default): every yielded tensor is its own memory, valid as long as the consumer
-    holds it. ``True``: tensors carried whole in one chunk are views into the receive bucket, valid
-    only until the next item is requested from :meth:`EngineTransport.receive` (clone to keep)."""
+    """``False`` (default): every yielded tensor keeps the bytes it was given for as long as the
+    consumer holds it (a lending transport hands out views into a bucket it then never refills while
+    a view lives; others copy). ``True``: tensors carried whole in one chunk are views into the
+    receive bucket, valid only until the next item is requested from :meth:`EngineTransport.receive`
+    (clone to keep)."""
     host: str | None = None
     """Address to bind network endpoints on (trainer rank 0); default: the transport's choice."""
     extra: Mapping[str, Any] = field(default_factory=dict)

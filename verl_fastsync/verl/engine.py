@@ -31,11 +31,12 @@ Select it with::
 * ``verify`` (default false): xxhash checksum per chunk, checked by the receiver.
 * ``device``: where received tensors are allocated (default ``"cpu"``; the ``nccl`` transport always
   receives on the current accelerator).
-* ``zero_copy`` (default false): every received tensor is its own memory and stays valid as long as
-  the consumer holds it (verl's SGLang ``ServerAdapter`` batches tensors before loading them, vLLM
-  loads each at once: both are safe). ``true`` yields tensors carried whole in one chunk as views
-  into the receive bucket, valid only until the consumer asks for the next tensor; use it only with
-  a consumer that copies each tensor before asking for the next.
+* ``zero_copy`` (default false): every received tensor keeps its bytes for as long as the consumer
+  holds it (verl's SGLang ``ServerAdapter`` batches tensors before loading them, vLLM loads each at
+  once: both are safe). On host memory the shm, gloo and nixl receivers do it without a copy: they
+  lend views into the bucket and never refill a bucket the consumer still references. ``true``
+  yields tensors carried whole in one chunk as views into the receive bucket, valid only until the
+  consumer asks for the next tensor; it saves only the bookkeeping now.
 * ``align_experts`` (default false): chunk boundaries of split tensors fall on dim-0 slices (MoE
   experts) when one slice fits a bucket.
 

@@ -57,7 +57,7 @@ class FastsyncEngine(baselines._Path):
     """A fastsync engine transport, created once per trial (the ``fastsync`` checkpoint engine makes
     its transport once) and taken through verl's per-sync lifecycle."""
 
-    zero_copy = False  # the engine's default: every received tensor is its own memory
+    zero_copy = False  # the engine's default: received tensors stay valid (lent buckets, or copies)
 
     def __init__(self, role: str, trial: dict[str, Any]) -> None:
         from verl_fastsync.transports.base import TransportOptions
