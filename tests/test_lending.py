@@ -111,3 +111,42 @@ def test_consumer_keeping_some_tensors_reads_what_was_sent(transport: str, hold:
             assert _digests(result) == expected_digests(WHOLE, seed)
         result = cluster.sync(WHOLE, seed=8)
         assert _digests(result) == expected_digests(WHOLE, 8)
+
+
+@pytest.mark.timeout(HANG_TIMEOUT)
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_two_receivers_one_keeping_views_both_read_what_was_sent(transport: str) -> None:
+    """Rollout rank 1 keeps views of every other tensor, rank 2 drops each at once: the sender must
+    not refill a bucket either still references (for shm: one segment shared by both)."""
+    ctor = {"bucket_size": BUCKET, "timeout_s": 60}
+    with Cluster(transport, 1, 2, mode="transport", ctor=ctor, timeout=240) as cluster:
+        for seed in (11, 12, 13):
+            cluster.build_process_group()
+            cluster.post(0, "send", WHOLE, seed, {})
+            cluster.post(1, "receive", {"hold": "views", "hold_every": 2})
+            cluster.post(2, "receive", {})
+            results = [cluster.wait(i) for i in range(3)]
+            cluster.call_all("finalize")
+            for receiver in results[1:]:
+                assert [tuple(d) for d in receiver["digests"]] == expected_digests(WHOLE, seed)
+
+
+@pytest.mark.timeout(HANG_TIMEOUT)
+def test_segments_made_for_a_keeping_consumer_are_dropped_once_it_lets_go() -> None:
+    """shm: a consumer that keeps every tensor makes the sender create a segment per bucket (both
+    sides map them all); once it lets go, the pool falls back to the two slots and one spare: two
+    syncs later each side reports at most three buckets again. (gloo's receiver-side pool keeps at
+    most one spare: ``test_pool_rotates_and_keeps_at_most_its_spares``.)"""
+    with _cluster("shm") as cluster:
+        held = cluster.sync(WHOLE, seed=1, recv_extra={"hold": "tensors"})
+        assert _digests(held) == expected_digests(WHOLE, 1)
+        grown = max(
+            held["senders"][0]["metrics"]["fastsync/transfer/peak_extra_bytes_sender"],
+            held["receivers"][0]["metrics"]["fastsync/transfer/peak_extra_bytes_receiver"],
+        )
+        assert grown >= 4 * BUCKET  # the loaned buckets were replaced, not refilled
+        for seed in (2, 3):
+            result = cluster.sync(WHOLE, seed=seed)
+            assert _digests(result) == expected_digests(WHOLE, seed)
+        for side, key in (("senders", "sender"), ("receivers", "receiver")):
+            assert result[side][0]["metrics"][f"fastsync/transfer/peak_extra_bytes_{key}"] <= 3 * BUCKET
