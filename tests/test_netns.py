@@ -151,9 +151,15 @@ def test_deleted_when_the_body_raises() -> None:
     assert worker.proc.poll() is not None  # the worker was stopped too
 
 
+# The driver inherits the test process's SIGINT disposition and mask; Python keeps an inherited
+# SIG_IGN (a shell's background job, or a library in the pytest process, can leave one). Twice in
+# full runs the driver never reacted to this test's SIGINT while it always did alone, so it installs
+# Python's own handler and unblocks SIGINT, as an interactive driver has them.
 _DRIVER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     from verl_fastsync.tools.netns import NamespacePair
     pair = NamespacePair().open()
     pair.spawn("b", env={env!r})
@@ -182,8 +188,19 @@ def _start_driver() -> tuple[subprocess.Popen[str], list[str]]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_deleted_on_ctrl_c_and_sigterm(sig: signal.Signals) -> None:
     proc, names = _start_driver()
+    with open(f"/proc/{proc.pid}/status") as fh:
+        masks = [line.strip() for line in fh if line.startswith(("SigBlk", "SigIgn"))]
     proc.send_signal(sig)
-    assert proc.wait(timeout=120) != 0
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise AssertionError(
+            f"the driver ignored signal {sig!r} for 120 s; its masks: {masks}; this process's SIGINT "
+            f"handler: {signal.getsignal(signal.SIGINT)!r}"
+        ) from None
+    assert code != 0
     assert set(names).isdisjoint(list_netns())
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
 
