@@ -220,6 +220,9 @@ class Worker:
         tensors = self.model(trial)
         device_peak = DevicePeak(trial.get("device", "cpu"))
         try:
+            start_at = trial.get("start_at")
+            if start_at is not None:  # a row that needs both processes to start at once
+                time.sleep(max(0.0, start_at - time.perf_counter()))
             with RssSampler(baseline=self.baseline_rss) as rss, device_peak:
                 t_start = time.perf_counter()
                 extra = self.path.transfer(tensors)
