@@ -282,7 +282,9 @@ class _Worker:
                     digests.append(digest(name, tensor))
                 else:
                     digests.append((name,))
-                del tensor  # like a real consumer that copied it: keep nothing
+                if not extra.get("keep_loop_var"):
+                    del tensor  # like a consumer that copied it: keep nothing
+                # else like ``for name, t in weights: load(t)``: t lives until the next tensor
 
         async def cancelled() -> None:
             task = asyncio.ensure_future(run())
