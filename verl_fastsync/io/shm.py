@@ -21,6 +21,7 @@ import os
 import secrets
 import threading
 
+import numpy
 import torch
 
 try:
@@ -116,7 +117,11 @@ class Segment:
             raise
         finally:
             os.close(fd)
-        self.tensor: torch.Tensor | None = torch.frombuffer(self.map, dtype=torch.uint8, count=size)
+        # through NumPy, which holds a buffer export on the mapping for as long as any tensor or view
+        # of it lives: close() then cannot unmap memory a consumer still reads (torch.frombuffer
+        # keeps the object alive but releases its export, so close() unmapped under live views)
+        array = numpy.frombuffer(self.map, dtype=numpy.uint8, count=size)
+        self.tensor: torch.Tensor | None = torch.from_numpy(array)
 
     @classmethod
     def create(cls, size: int, prefix: str = SEGMENT_PREFIX, populate: bool = True) -> Segment:
