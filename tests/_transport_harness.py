@@ -294,11 +294,18 @@ class _Worker:
             await task
 
         t0 = time.perf_counter()
-        asyncio.run(cancelled() if extra.get("cancel_after") is not None else run())
+        try:
+            asyncio.run(cancelled() if extra.get("cancel_after") is not None else run())
+        finally:
+            if extra.get("keep_held"):  # a consumer that keeps what it got, even from a failed sync
+                self.kept_earlier = [(name, tensor) for _, name, tensor in held]
         for index, name, tensor in held:
             digests[index] = digest(name, tensor)
         held.clear()
         seconds = time.perf_counter() - t0
+        if extra.get("report_kept"):  # digests of what was kept earlier, read after this sync
+            kept = getattr(self, "kept_earlier", [])
+            digests = [digest(name, tensor) for name, tensor in kept]
         if self.mode == "engine":
             metrics = dict(self.engine.last_metrics)
         else:

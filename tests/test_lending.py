@@ -155,3 +155,25 @@ def test_segments_made_for_a_keeping_consumer_are_dropped_once_it_lets_go() -> N
             assert _digests(result) == expected_digests(WHOLE, seed)
         for side, key in (("senders", "sender"), ("receivers", "receiver")):
             assert result[side][0]["metrics"][f"fastsync/transfer/peak_extra_bytes_{key}"] <= 3 * BUCKET
+
+
+@pytest.mark.timeout(HANG_TIMEOUT)
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_tensors_kept_from_a_failed_sync_survive_the_next_sync(transport: str) -> None:
+    """The consumer keeps views of every tensor, then raises mid-bucket; the sync fails on both
+    sides, and the consumer still holds what it got. The next sync (other contents) must not land
+    in those buffers: nixl keeps its registered buckets after a failed sync (a WRITE may still
+    land), so the bucket lent at the failure must stay on loan like any other."""
+    with _cluster(transport) as cluster:
+        cluster.build_process_group()
+        cluster.post(0, "send", WHOLE, 21, {})
+        cluster.post(1, "receive", {"hold": "views", "raise_after": 6, "keep_held": True})
+        recv_status, recv_message = cluster.wait_result(1)
+        send_status, _ = cluster.wait_result(0)
+        assert recv_status == "err" and "consumer failed on purpose after 6 tensors" in recv_message
+        assert send_status == "err"
+        cluster.call_all("finalize")
+        result = cluster.sync(WHOLE, seed=22, recv_extra={"report_kept": True})
+        assert _digests(result) == expected_digests(WHOLE, 21)[:6]
+        result = cluster.sync(WHOLE, seed=23)
+        assert _digests(result) == expected_digests(WHOLE, 23)

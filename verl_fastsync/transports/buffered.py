@@ -143,6 +143,8 @@ class BufferedTransport(SendingTransport):
         executor = self._executor
         pending: concurrent.futures.Future[BucketReady | SyncEnd] | None = None
         expected = 0
+        lease: Lease | None = None  # the bucket lent now, until its slot is settled
+        lent_slot = 0
         try:
             self.inflight = InFlight(phase="wait-bucket", bucket=0)
             pending = executor.submit(self._recv_next)
@@ -178,9 +180,9 @@ class BufferedTransport(SendingTransport):
                 self._device_sync(buffer)
                 self.inflight.phase = "assemble"
                 self.inflight.bucket = message.bucket_index
-                lease: Lease | None = None
                 if lending and buffer.device.type == "cpu" and self._can_lend(message.slot):
                     lent, lease = lend(buffer)
+                    lent_slot = message.slot
                     view = lent[: message.nbytes]
                     del lent
                 else:
@@ -221,6 +223,13 @@ class BufferedTransport(SendingTransport):
                 else:
                     self.inflight.phase = "wait-bucket"
         except BaseException as exc:
+            if lease is not None and lease.active:
+                # the consumer may keep what it got before the failure, and a transport may keep its
+                # buffers for the next sync (nixl, when a WRITE can still land): never refill this one
+                try:
+                    self._settle(lent_slot, lease)
+                except Exception:  # pragma: no cover - best effort
+                    pass
             try:
                 self._post_abort(Abort(reason=f"{type(exc).__name__}: {exc}", rank=self.rank))
             except Exception:  # pragma: no cover - best effort

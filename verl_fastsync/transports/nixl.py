@@ -167,6 +167,7 @@ class NixlTransport(TcpControlledTransport):
 
     def _hello_message(self) -> Message:
         self._allocate()
+        self._next_address = 0  # a move made when the last sync failed: the Hello's order says it
         # from here on the sender knows our addresses and may WRITE into them (until SyncEnd)
         self._peer_may_write = True
         mem_type, _device, dev_id = self._mem_type()
