@@ -323,11 +323,12 @@ class _Worker:
             self.bucket = size
 
     def renew(self, transport: str, ctor: dict[str, Any]) -> None:
-        """Switch this rank to another transport / constructor kwargs."""
+        """Switch this rank to another transport / constructor kwargs (on top of the earlier ones; a
+        key given as None is dropped)."""
         if self.engine is not None:
             self.engine.finalize()
         self.transport_name = transport
-        self.ctor = dict(self.ctor, **ctor)
+        self.ctor = {k: v for k, v in dict(self.ctor, **ctor).items() if v is not None}
         self.new()
 
 

@@ -189,3 +189,23 @@ def test_every_timeout_goes_through_the_rule(bad: Any, monkeypatch: pytest.Monke
     with pytest.raises((TypeError, ValueError), match="timeout_s must be a"):
         base.TransportOptions(timeout_s=bad)
     assert len(seen) == 4
+
+
+@pytest.mark.parametrize("bad", [1, 5, "three", True, 2.5])
+def test_shm_slots_are_validated_with_what_is_allowed(bad: Any) -> None:
+    with pytest.raises(
+        ValueError, match=r"engine_kwargs\.fastsync\.slots=.* is invalid; allowed: an integer from 2 to 4"
+    ):
+        config.parse_engine_kwargs({"transport": "shm", "slots": bad}, plugins.get_plugin_manager())
+
+
+def test_shm_slots_default_and_override_and_only_for_shm() -> None:
+    from verl_fastsync.transports.base import TransportOptions
+    from verl_fastsync.transports.shm import DEFAULT_SLOTS, ShmTransport
+
+    settings = config.parse_engine_kwargs({"transport": "shm", "slots": "4"}, plugins.get_plugin_manager())
+    assert settings.extra == {"slots": 4}
+    assert ShmTransport(TransportOptions(extra=settings.extra)).slots == 4
+    assert ShmTransport(TransportOptions()).slots == DEFAULT_SLOTS == 3
+    with pytest.raises(ValueError, match=r"unknown engine_kwargs\.fastsync key\(s\) \['slots'\]"):
+        config.parse_engine_kwargs({"transport": "gloo", "slots": 3}, plugins.get_plugin_manager())

@@ -134,7 +134,9 @@ def test_engine_protocol_end_to_end(engine_cls: Any) -> None:
     with Cluster("shm", n_actor=2, n_rollout=1, mode="engine", ctor=ctor, timeout=240) as cluster:
         runs: list[tuple[str, dict[str, Any]]] = [
             ("shm", {"bucket_bytes": 1024}),
-            ("shm", {"bucket_bytes": "1MiB", "verify": True}),
+            ("shm", {"bucket_bytes": 1536, "slots": 2}),
+            ("shm", {"bucket_bytes": 2048, "slots": 4}),
+            ("shm", {"bucket_bytes": "1MiB", "verify": True, "slots": None}),
             ("shm", {"bucket_bytes": "auto", "verify": False}),
             ("gloo", {"bucket_bytes": 4099}),
             ("nixl", {"bucket_bytes": 2048}),
@@ -152,7 +154,12 @@ def test_engine_protocol_end_to_end(engine_cls: Any) -> None:
                 assert f"fastsync/transfer/{key}" in metrics
             assert metrics["fastsync/transfer/tensors"] == len(model)
             bucket = metrics["fastsync/transfer/bucket_size"]
-            assert metrics["fastsync/transfer/peak_extra_bytes_sender"] <= 2 * bucket
+            slots = (kwargs.get("slots") or 3) if transport == "shm" else 2  # the others pipeline over two
+            # shm: one spare segment more where the consumer's loop variable keeps a bucket lent
+            spares = 1 if transport == "shm" else 0
+            assert metrics["fastsync/transfer/peak_extra_bytes_sender"] <= (slots + spares) * bucket
+            if transport == "shm":  # one segment per slot, whatever the consumer does
+                assert metrics["fastsync/transfer/peak_extra_bytes_sender"] >= slots * bucket
         assert cluster.leaked_segments() == set()
 
 

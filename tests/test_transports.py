@@ -97,7 +97,7 @@ def test_peak_memory_bounds(transport: str) -> None:
     the transfer; glibc's mmap threshold fixed in the children so freed tensors leave RSS).
 
     * Accounting: each side reports exactly its bucket buffers (``peak_extra_bytes`` documents the
-      buffers a side allocated; a sender holds nothing else): two slots, plus the spares lending
+      buffers a side allocated; a sender holds nothing else): its slots, plus the spares lending
       needs; no tensor here is split, so the receiver has nothing in progress and copies nothing.
     * Sender RSS: the model is produced lazily, after the baseline (the bucket buffers were allocated
       at ``init_process_group``, before it), so the sender's growth is the producer's one live tensor
@@ -122,9 +122,10 @@ def test_peak_memory_bounds(transport: str) -> None:
         result = cluster.sync(specs, seed=5, send_extra={"producer": "lazy"})
         _check(result, specs, 5)
     sender, receiver = result["senders"][0], result["receivers"][0]
-    # buckets each side reports: the two slots; the consumer here drops each tensor before asking for
-    # the next, so nothing stays on loan and no spare is made, except nixl's two registered spares
-    sent_buckets, received_buckets = {"shm": (2, 2), "gloo": (2, 2), "nixl": (2, 4)}[transport]
+    # buckets each side reports: its slots (shm: three by default, the others two); the consumer here
+    # drops each tensor before asking for the next, so nothing stays on loan and no spare is made,
+    # except nixl's two registered spares
+    sent_buckets, received_buckets = {"shm": (3, 3), "gloo": (2, 2), "nixl": (2, 4)}[transport]
     assert sender["metrics"]["fastsync/transfer/peak_extra_bytes_sender"] == sent_buckets * bucket
     received = receiver["metrics"]["fastsync/transfer/peak_extra_bytes_receiver"]
     assert received == received_buckets * bucket, received  # every tensor whole: none in progress
@@ -326,3 +327,59 @@ def test_nccl_importable_without_gpu_and_fails_clearly() -> None:
         receiver.finalize()
     with pytest.raises(RuntimeError, match="no control endpoint"):
         factory.build_topology(1, 1, [{"bucket_size": 1}, {"bucket_size": 1}])
+
+
+POSTED_FLAG = """
+import pathlib
+t = worker.engine
+orig = t._post_bucket
+def post(slot, message):
+    orig(slot, message)
+    if message.bucket_index == 2:
+        pathlib.Path({flag!r}).touch()
+t._post_bucket = post
+"""
+
+DELAY_FIRST_ACK = """
+import pathlib, time
+t = worker.engine
+orig = t._release_slot
+def release(slot, bucket_index):
+    if bucket_index == 0:
+        deadline = time.monotonic() + {wait_s}
+        while not pathlib.Path({flag!r}).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.seen_bucket_2_before_ack_0 = pathlib.Path({flag!r}).exists()
+    orig(slot, bucket_index)
+t._release_slot = release
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("slots", [2, 3])
+def test_shm_sender_packs_ahead_by_its_slots_and_never_into_an_unacked_one(
+    slots: int, tmp_path: Path
+) -> None:
+    """The receiver holds back its ack of bucket 0 until the sender posted bucket 2. With three slots
+    the sender does so without waiting (the third slot is what lets it pack ahead over uneven
+    buckets); with two it must not (bucket 2 goes into bucket 0's slot): it posts only after the ack,
+    which the receiver sends after waiting 3 s in vain. Both syncs deliver the right bytes."""
+    flag = str(tmp_path / "bucket-2-posted")
+    specs = [TensorSpec(f"b{i}", (900,), "float32") for i in range(6)]  # one tensor per 4 KiB bucket
+    ctor = {"bucket_size": 4096, "timeout_s": 120, "extra": {"slots": slots}}
+    with Cluster("shm", 1, 1, mode="transport", ctor=ctor, timeout=240) as cluster:
+        cluster.build_process_group()
+        cluster.post(0, "exec", POSTED_FLAG.format(flag=flag))
+        cluster.wait(0)
+        wait_s = 120 if slots == 3 else 3
+        cluster.post(1, "exec", DELAY_FIRST_ACK.format(flag=flag, wait_s=wait_s))
+        cluster.wait(1)
+        cluster.post(0, "send", specs, 4, {})
+        cluster.post(1, "receive", {})
+        received = cluster.wait(1)
+        cluster.wait(0)
+        cluster.post(1, "exec", "result = worker.seen_bucket_2_before_ack_0")
+        seen = cluster.wait(1)
+        cluster.call_all("finalize")
+    assert [tuple(d) for d in received["digests"]] == expected_digests(specs, 4)
+    assert seen is (slots == 3)

@@ -111,6 +111,8 @@ class Welcome(_Base, tag="welcome"):
     buffers: list[str]
     """Transport-specific handles of the bucket buffers (e.g. shared-memory segment names)."""
     verify: bool = False
+    slots: int = 2
+    """How many slots the sender fills in turn (receivers follow the sender)."""
 
 
 class Attached(_Base, tag="attached"):

@@ -236,6 +236,13 @@ class LazyTransportClass:
     def __call__(self, options: TransportOptions | None = None) -> EngineTransport:
         return self.load()(options)
 
+    @property
+    def engine_options(self) -> Mapping[str, Any]:
+        """The class's own ``engine_kwargs.fastsync`` keys (loads it: options are validated where the
+        transport is about to be built)."""
+        options: Mapping[str, Any] = getattr(self.load(), "engine_options", None) or {}
+        return options
+
     def build_topology(
         self, actor_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:

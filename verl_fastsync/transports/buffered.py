@@ -2,9 +2,10 @@
 
 :class:`BufferedTransport` = :class:`~verl_fastsync.transports.lifecycle.TransportCore` (lifecycle)
 + :class:`~verl_fastsync.transports.sending.SendingTransport` (the sender) + the receiver here. It
-implements the double buffering (bucket ``k+1`` is packed while bucket ``k`` moves; two bucket
-buffers per side), the timeouts, the verify checksums, the abort path and the statistics once; a
-concrete transport only supplies the buffers and how a bucket moves.
+implements the pipelining (bucket ``k+1`` is packed while bucket ``k`` moves; one bucket buffer
+per slot, two slots unless the transport says otherwise), the timeouts, the verify checksums, the
+abort path and the statistics once; a concrete transport only supplies the buffers and how a bucket
+moves.
 
 Receiver contract: by default (``TransportOptions.zero_copy=False``) every yielded tensor stays
 valid, with the bytes the sender sent, for as long as the consumer holds it. A transport that sets

@@ -44,7 +44,10 @@ from verl_fastsync.wire import (
     encode,
 )
 
-__all__ = ["ControlledTransport"]
+__all__ = ["MAX_SLOTS", "ControlledTransport"]
+
+MAX_SLOTS = 4
+"""The most slots a sender may pipeline over."""
 
 
 class ControlledTransport(BufferedTransport):
@@ -61,8 +64,8 @@ class ControlledTransport(BufferedTransport):
         self._channel: ControlChannel | None = None
         self._endpoint: str | None = None
         self._peers: dict[bytes, int] = {}  # zmq routing id -> rollout rank
-        self._slot_bucket: list[int | None] = [None, None]
-        self._slot_acks: list[set[int]] = [set(), set()]
+        self._slot_bucket: list[int | None] = [None] * self.slots
+        self._slot_acks: list[set[int]] = [set() for _ in range(self.slots)]
 
     # -- what subclasses choose --------------------------------------------------------------
 
@@ -133,8 +136,11 @@ class ControlledTransport(BufferedTransport):
         if channel is not None:
             channel.close()
         self._peers = {}
-        self._slot_bucket = [None, None]
-        self._slot_acks = [set(), set()]
+        self._reset_slots()
+
+    def _reset_slots(self) -> None:
+        self._slot_bucket = [None] * self.slots
+        self._slot_acks = [set() for _ in range(self.slots)]
 
     def _close(self) -> None:
         self._release_buffers()
@@ -198,7 +204,10 @@ class ControlledTransport(BufferedTransport):
                 pending.append(ident or b"")
         self._before_welcome()
         welcome = Welcome(
-            bucket_size=self.bucket_size, buffers=self._welcome_buffers(), verify=self.options.verify
+            bucket_size=self.bucket_size,
+            buffers=self._welcome_buffers(),
+            verify=self.options.verify,
+            slots=self.slots,
         )
         for ident in pending:
             self._send_to(ident, welcome)
@@ -232,6 +241,14 @@ class ControlledTransport(BufferedTransport):
                 f"{self.name} transport: verify differs between sender ({message.verify}) and rollout rank "
                 f"{self.rank} ({self.options.verify}); set engine_kwargs.fastsync.verify the same everywhere"
             )
+        if message.slots != self.slots:
+            if not 2 <= message.slots <= MAX_SLOTS:
+                raise TransportError(
+                    f"{self.name} transport: the sender pipelines over {message.slots} slots; "
+                    f"allowed: 2 to {MAX_SLOTS}"
+                )
+            self.slots = message.slots  # the sender's memory, the sender's choice
+            self._reset_slots()
         self._attach(message)
         self._send_to(None, Attached(rank=self.rank or 0))
 
@@ -245,7 +262,7 @@ class ControlledTransport(BufferedTransport):
         while len(self._slot_acks[slot]) < self.receivers:
             missing = sorted(set(self._peers.values()) - self._slot_acks[slot])
             _, message = self._recv_msg(deadline, f"rollout rank(s) {missing}", f"ack of bucket {bucket}")
-            if isinstance(message, BucketAck) and message.slot in (0, 1):
+            if isinstance(message, BucketAck) and 0 <= message.slot < self.slots:
                 if self._slot_bucket[message.slot] == message.bucket_index:
                     self._slot_acks[message.slot].add(message.rank)
                     self._on_ack(message)
@@ -278,8 +295,10 @@ class ControlledTransport(BufferedTransport):
     # -- receiver ----------------------------------------------------------------------------
 
     def _check_slot(self, slot: int) -> None:
-        if slot not in (0, 1):
-            raise TransportError(f"{self.name} transport: sender named slot {slot}; only 0 and 1 exist")
+        if not 0 <= slot < self.slots:
+            raise TransportError(
+                f"{self.name} transport: sender named slot {slot}; only 0 to {self.slots - 1} exist"
+            )
 
     def _interrupt_receive(self) -> bool:
         channel = self._channel

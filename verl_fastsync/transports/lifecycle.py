@@ -63,9 +63,16 @@ class TransportCore(EngineTransport):
         self.world_size = 0
         self.role = "?"
         self.bucket_size = 0
+        self.slots = self._configured_slots()
+        """Bucket buffers the sender fills in turn (bucket ``k`` goes to slot ``k % slots``)."""
         self.inflight = InFlight()
         self._stats: TransferStats | None = None
         self._executor: ThreadPoolExecutor | None = None
+
+    def _configured_slots(self) -> int:
+        """How many slots this transport pipelines over (two; a transport where a slot costs little
+        may use more, see :class:`~verl_fastsync.transports.shm.ShmTransport`)."""
+        return 2
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -155,8 +162,8 @@ class TransportCore(EngineTransport):
         return self.world_size - 1
 
     def _buffer_bytes(self) -> int:
-        """Bytes of bucket buffers this side allocated (default: two buckets)."""
-        return 2 * self.bucket_size
+        """Bytes of bucket buffers this side allocated (default: one bucket per slot)."""
+        return self.slots * self.bucket_size
 
     def _timeout_error(self, peer: str, detail: str = "") -> TransportTimeoutError:
         extra = f" ({detail})" if detail else ""

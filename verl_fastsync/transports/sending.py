@@ -79,7 +79,7 @@ class SendingTransport(TransportCore):
         start = time.perf_counter()
 
         def acquire(index: int) -> torch.Tensor:
-            slot = index % 2
+            slot = index % self.slots
             self.inflight.phase = "wait-slot-free"
             self.inflight.bucket = index
             self._wait_slot_free(slot)
@@ -101,11 +101,11 @@ class SendingTransport(TransportCore):
             self.inflight.phase = "post-bucket"
             self.inflight.bucket = bucket.index
             self._post_bucket(
-                bucket.index % 2,
+                bucket.index % self.slots,
                 BucketReady(
                     sync_id=sync_id,
                     bucket_index=bucket.index,
-                    slot=bucket.index % 2,
+                    slot=bucket.index % self.slots,
                     nbytes=bucket.nbytes,
                     chunks=metas,
                 ),
@@ -130,7 +130,7 @@ class SendingTransport(TransportCore):
                 self.inflight.last_tensor, self.inflight.tensor = self.inflight.tensor, None
             planner.finish()
             self.inflight = InFlight(phase="drain", last_tensor=self.inflight.last_tensor)
-            for slot in (0, 1):
+            for slot in range(self.slots):
                 self._wait_slot_free(slot)
             stats.tensors = len(tensors)
             self.inflight.phase = "end"

@@ -72,6 +72,10 @@ def paths_for(transport: str) -> list[Path]:
                  "the same with engine_kwargs.fastsync.zero_copy=true (opt-in: tensors are views into "
                  "the bucket, valid until the next is requested); x baseline = what the safe default "
                  "(lent buckets: 'default') costs", "2: pack (sender), load (consumer)"),
+            Path("fastsync-engine-two-slots", "fastsync engine shm 2slot", "fastsync", "engine",
+                 "fastsync engine shm",
+                 "the same with engine_kwargs.fastsync.slots=2 (the default is 3); x baseline = what "
+                 "the third slot buys over uneven buckets", "2: pack (sender), load (consumer)"),
         ]  # fmt: skip
     if transport == "gloo":
         return [

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from verl_fastsync.tools.bench import baselines
 from verl_fastsync.tools.bench.measure import (
@@ -58,6 +58,8 @@ class FastsyncEngine(baselines._Path):
     its transport once) and taken through verl's per-sync lifecycle."""
 
     zero_copy = False  # the engine's default: received tensors stay valid (lent buckets, or copies)
+    extra: ClassVar[dict[str, Any]] = {}
+    """The transport's own ``engine_kwargs.fastsync`` options."""
 
     def __init__(self, role: str, trial: dict[str, Any]) -> None:
         from verl_fastsync.transports.base import TransportOptions
@@ -69,6 +71,7 @@ class FastsyncEngine(baselines._Path):
             timeout_s=trial["timeout_s"],
             device=trial.get("device", "cpu"),
             zero_copy=self.zero_copy,
+            extra=dict(self.extra),
         )
         self.transport = self.factory(options)
         self.setup_seconds: float | None = None
@@ -147,9 +150,16 @@ class FastsyncEngineZeroCopy(FastsyncEngine):
     zero_copy = True
 
 
+class FastsyncEngineTwoSlots(FastsyncEngine):
+    """The same over two slots (``engine_kwargs.fastsync.slots=2``: the shm pipeline of 0.2.0)."""
+
+    extra: ClassVar[dict[str, Any]] = {"slots": 2}
+
+
 PATHS: dict[str, Any] = {
     "fastsync-engine": FastsyncEngine,
     "fastsync-engine-zero-copy": FastsyncEngineZeroCopy,
+    "fastsync-engine-two-slots": FastsyncEngineTwoSlots,
     "fastsync-colocated": FastsyncColocated,
     "verl-colocated": baselines.VerlColocatedStandIn,
     "verl-gloo": baselines.VerlGlooReconstruction,
