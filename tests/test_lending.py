@@ -15,7 +15,7 @@ import pytest
 import torch
 from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
 
-from verl_fastsync.io.lending import LendingPool, lend
+from verl_fastsync.io.lending import DestinationPool, LendingPool, lend
 
 CPU_TRANSPORTS = ["shm", "gloo", "nixl"]
 BUCKET = 4096
@@ -74,6 +74,32 @@ def test_pool_rotates_and_keeps_at_most_its_spares() -> None:
     assert pool.take() is not first and len(made) == 4  # only one spare was kept
     pool.clear()
     assert pool.on_loan == 0
+
+
+def test_destination_pool_reuses_memory_only_once_the_consumer_let_go() -> None:
+    pool = DestinationPool(keep=2)
+    cpu = torch.device("cpu")
+    first = pool.allocate((3, 500), torch.bfloat16, cpu)  # 3000 bytes
+    assert first.shape == (3, 500) and first.dtype == torch.bfloat16 and first.is_contiguous()
+    first.fill_(1.5)
+    address = first.data_ptr()
+    kept = first[1, 100:110]  # the consumer keeps only a view: the memory is still the consumer's
+    del first
+    second = pool.allocate((3, 500), torch.bfloat16, cpu)
+    assert second.data_ptr() != address and pool.made == 2
+    second.fill_(-2.0)
+    assert torch.equal(kept, torch.full((10,), 1.5, dtype=torch.bfloat16))  # never written again
+    del kept
+    third = pool.allocate((1000,), torch.float32, cpu)  # 4000 bytes: the free 3000-byte one is too small
+    assert third.data_ptr() != address and pool.made == 3
+    del third
+    fourth = pool.allocate((3, 500), torch.bfloat16, cpu)  # the smallest free buffer that fits
+    assert fourth.data_ptr() == address and pool.made == 3
+    del second, fourth
+    pool.reclaim()
+    assert pool.free_bytes == 4000 + 3000  # three free buffers: the two largest are kept
+    pool.clear()
+    assert pool.free_bytes == 0
 
 
 def _cluster(transport: str) -> Cluster:

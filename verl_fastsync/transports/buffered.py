@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from verl_fastsync.chunks import Allocate, Assembler, bucket_chunk_views
-from verl_fastsync.io.lending import Lease, LendingPool, lend
+from verl_fastsync.io.lending import DestinationPool, Lease, LendingPool, lend
 from verl_fastsync.transports.base import TransferStats, TransportError, allocate_bucket_buffers
 from verl_fastsync.transports.lifecycle import InFlight
 from verl_fastsync.transports.sending import SendingTransport
@@ -56,6 +56,7 @@ class BufferedTransport(SendingTransport):
     see the module docstring); the transport then implements :meth:`_swap_receive_buffer`."""
 
     _lending_pool: LendingPool | None = None
+    _destinations: DestinationPool | None = None
 
     @abstractmethod
     def _receiver_buffer(self, slot: int) -> torch.Tensor: ...
@@ -86,9 +87,11 @@ class BufferedTransport(SendingTransport):
             pool.clear()
 
     def _buffer_bytes(self) -> int:
-        """The two slots' buffers plus the spares kept for lending (buffers on loan are the consumer's)."""
-        pool = self._lending_pool
-        return super()._buffer_bytes() + (pool.spares * pool.size if pool is not None else 0)
+        """The slots' buffers plus the spares kept for lending and the free destination buffers of
+        split tensors (buffers on loan are the consumer's)."""
+        pool, dest = self._lending_pool, self._destinations
+        spares = pool.spares * pool.size if pool is not None else 0
+        return super()._buffer_bytes() + spares + (dest.free_bytes if dest is not None else 0)
 
     def _settle(self, slot: int, lease: Lease) -> None:
         """Before ``slot`` is released: if the consumer still references its buffer, the buffer stays
@@ -117,8 +120,19 @@ class BufferedTransport(SendingTransport):
         return False
 
     def _destination_allocator(self) -> Allocate | None:
-        """Where received tensors are allocated (``None``: ``torch.empty``)."""
-        return None
+        """Where tensors assembled from several chunks are allocated: on the host, a
+        :class:`~verl_fastsync.io.lending.DestinationPool` that reuses the memory of such tensors
+        once the consumer dropped them (it lives as long as the transport, like its buckets);
+        elsewhere ``None`` (``torch.empty``)."""
+        if torch.device(self.options.device).type != "cpu":
+            return None
+        if self._destinations is None:
+            self._destinations = DestinationPool()
+        return self._destinations.allocate
+
+    def _safe_close(self) -> None:
+        super()._safe_close()
+        self._destinations = None  # a failed sync or release(): free everything
 
     async def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.rank is None or self.rank < 1:
