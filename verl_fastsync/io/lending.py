@@ -60,6 +60,19 @@ def lend(buffer: torch.Tensor) -> tuple[torch.Tensor, Lease]:
     return lent, lease
 
 
+def _partition(leases: list[Lease]) -> tuple[list[Lease], list[torch.Tensor]]:
+    """The leases still active, and the buffers of those that ended (each lease asked once: a
+    garbage collection in between must not put one buffer on both sides)."""
+    active: list[Lease] = []
+    ended: list[torch.Tensor] = []
+    for lease in leases:
+        if lease.active:
+            active.append(lease)
+        else:
+            ended.append(lease.buffer)
+    return active, ended
+
+
 class LendingPool:
     """Buffers of ``size`` bytes that a receiver lends: the ones on loan and at most ``keep_spares``
     spares (more returned buffers are dropped, so memory falls back once the consumer lets go).
@@ -93,13 +106,8 @@ class LendingPool:
 
     def reclaim(self) -> None:
         """Buffers whose lease ended become spares (up to ``keep_spares``; the rest are dropped)."""
-        still = []
-        for lease in self._on_loan:
-            if lease.active:
-                still.append(lease)
-            elif len(self._spares) < self.keep_spares:
-                self._spares.append(lease.buffer)
-        self._on_loan = still
+        self._on_loan, returned = _partition(self._on_loan)
+        self._spares.extend(returned[: max(0, self.keep_spares - len(self._spares))])
 
     def loan(self, lease: Lease) -> None:
         """``lease`` is still active where its slot is needed again: the consumer keeps the buffer."""
@@ -146,13 +154,8 @@ class DestinationPool:
 
     def reclaim(self) -> None:
         """Buffers whose tensor is gone become free; the largest ``keep`` are kept."""
-        still: list[Lease] = []
-        for lease in self._on_loan:
-            if lease.active:
-                still.append(lease)
-            else:
-                self._free.append(lease.buffer)
-        self._on_loan = still
+        self._on_loan, returned = _partition(self._on_loan)
+        self._free.extend(returned)
         self._free.sort(key=lambda buf: buf.numel(), reverse=True)
         del self._free[self.keep :]
 
