@@ -383,3 +383,59 @@ def test_shm_sender_packs_ahead_by_its_slots_and_never_into_an_unacked_one(
         cluster.call_all("finalize")
     assert [tuple(d) for d in received["digests"]] == expected_digests(specs, 4)
     assert seen is (slots == 3)
+
+
+HOLD_WRITE_UNTIL_NEXT_PACKED = """
+t = worker.engine
+events = worker.events = []
+state = {"write": None, "packed_after": False}
+orig_start, orig_between = t._start_write, t._between_tensors
+def start(slot, message):
+    orig_start(slot, message)
+    events.append(("write", message.bucket_index))
+    state["write"], state["packed_after"] = message.bucket_index, False
+    agent = t._agent
+    if not hasattr(agent, "_real_check"):
+        agent._real_check = agent.check_xfer_state
+        def check(handle):
+            real = agent._real_check(handle)
+            # the WRITE of bucket 0 "moves" until the sender has packed a tensor of the next bucket
+            return "PROC" if state["write"] == 0 and not state["packed_after"] else real
+        agent.check_xfer_state = check
+def between():
+    if state["write"] is not None:
+        state["packed_after"] = True
+        events.append(("packed", state["write"]))
+    orig_between()
+t._start_write, t._between_tensors = start, between
+orig_announce = t._release_handles
+def release(write):
+    events.append(("announce", write.message.bucket_index))
+    orig_announce(write)
+t._release_handles = release
+"""
+
+
+@pytest.mark.timeout(300)
+def test_nixl_sender_packs_the_next_bucket_while_a_write_moves() -> None:
+    """The WRITE of bucket 0 reports "in progress" until the sender has packed a tensor of bucket 1:
+    the sender must go on packing (a sender that waits for each WRITE before packing on would time
+    out here), announce bucket 0 only once its WRITE completed, and the bytes of both slots must
+    arrive intact."""
+    specs = [TensorSpec(f"b{i}", (900,), "float32") for i in range(6)]  # one tensor per 4 KiB bucket
+    ctor = {"bucket_size": 4096, "timeout_s": 20}
+    with Cluster("nixl", 1, 1, mode="transport", ctor=ctor, timeout=240) as cluster:
+        cluster.build_process_group()
+        cluster.post(0, "exec", HOLD_WRITE_UNTIL_NEXT_PACKED)
+        cluster.wait(0)
+        cluster.post(0, "send", specs, 9, {})
+        cluster.post(1, "receive", {})
+        received = cluster.wait(1)
+        cluster.wait(0)
+        cluster.post(0, "exec", "result = list(worker.events)")
+        events = cluster.wait(0)
+        cluster.call_all("finalize")
+    assert [tuple(d) for d in received["digests"]] == expected_digests(specs, 9)
+    events = [tuple(e) for e in events]
+    assert events.index(("write", 0)) < events.index(("packed", 0)) < events.index(("announce", 0))
+    assert [e for e in events if e[0] == "announce"] == [("announce", i) for i in range(6)]

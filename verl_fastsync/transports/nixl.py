@@ -9,8 +9,10 @@ each rollout rank's registered bucket), a pyzmq channel carries the control mess
   the host); the sender adds each remote agent and answers ``Welcome``; receivers confirm
   ``Attached``.
 * Per bucket: the sender waits for every receiver's ack of the bucket last held in the slot, packs
-  the bucket, WRITEs its used bytes into each receiver's buffer of the same slot, waits for the
-  WRITEs (bounded by ``timeout_s``) and sends ``BucketReady``. Receivers read in place and ack when
+  the bucket, starts WRITEs of its used bytes into each receiver's buffer of the same slot and goes
+  on packing the next bucket into the other slot while they move; it sends ``BucketReady`` as soon
+  as it sees them complete (it checks between tensors and while it waits, bounded by
+  ``timeout_s``). One bucket's WRITEs are in flight at a time. Receivers read in place and ack when
   their consumer moved on.
 * **Lending (the safe default on host memory):** a host receiver registers two spare buckets beside
   its two slots (all four announced in ``PeerBuffers``, slots first) and hands the consumer views into
@@ -38,11 +40,14 @@ the process exits (logged, two buckets); so does a sender whose WRITE timed out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -59,6 +64,16 @@ log = logging.getLogger(__name__)
 # Buffers (with their registration and agent) that a peer may still WRITE into when their transport
 # was released: kept alive until the process exits instead of handing the memory back to the heap.
 _KEPT_UNTIL_EXIT: list[tuple[Any, Any, list[torch.Tensor]]] = []
+
+
+@dataclass
+class _Write:
+    """A bucket's WRITEs, started and not yet seen complete (its ``BucketReady`` waits for them)."""
+
+    slot: int
+    message: BucketReady
+    handles: list[tuple[bytes, Any]]
+    deadline: float
 
 
 class NixlTransport(TcpControlledTransport):
@@ -91,6 +106,7 @@ class NixlTransport(TcpControlledTransport):
         self._next_address = 0
         # a remote WRITE into (receiver) or out of (sender) our buffers may still be in flight
         self._peer_may_write = False
+        self._write: _Write | None = None  # sender: the WRITEs in flight
 
     def _buffer_bytes(self) -> int:
         """The registered buckets: two slots, and on a lending receiver the spares."""
@@ -195,6 +211,7 @@ class NixlTransport(TcpControlledTransport):
         agent = self._agent
         if agent is not None and self._bufs:
             agent.get_new_notifs()  # progresses the UCX workers (there is no progress thread)
+        self._complete_write(block=False)  # the sender, waiting for acks: announce a bucket landed
 
     def _receive_done(self) -> None:
         # SyncEnd is sent only after every WRITE of the sync completed: nothing is in flight now
@@ -300,67 +317,114 @@ class NixlTransport(TcpControlledTransport):
             )
         self._slot_addrs[ident][message.slot] = message.address
 
+    # -- sender: WRITEs overlap the packing of the next bucket --------------------------------
+
     def _post_bucket(self, slot: int, message: BucketReady) -> None:
+        self._complete_write(block=True)  # one bucket in flight: the previous one lands first
+        with self._nixl_errors(message):
+            self._start_write(slot, message)
+        self._complete_write(block=False)
+
+    def _between_tensors(self) -> None:
+        self._complete_write(block=False)  # each check also progresses UCX
+
+    def _wait_slot_free(self, slot: int) -> None:
+        write = self._write
+        if write is not None and write.slot == slot:
+            self._complete_write(block=True)  # its receivers cannot ack what was never announced
+        super()._wait_slot_free(slot)
+
+    def _post_end(self, message: Any) -> None:
+        self._complete_write(block=True)
+        super()._post_end(message)
+
+    def _post_abort(self, message: Any) -> None:
+        self._abandon_write()
+        super()._post_abort(message)
+
+    @contextlib.contextmanager
+    def _nixl_errors(self, message: BucketReady) -> Iterator[None]:
+        """A failure while a bucket's WRITEs may be moving abandons them (the buffers are then not
+        freed); an error of NIXL's own types becomes a :class:`TransportError` naming the bucket."""
         try:
-            self._write_bucket(slot, message)
-        except TransportError:
-            raise
-        except Exception as exc:  # nixl raises its own types, e.g. on a disconnected peer
+            yield
+        except BaseException as exc:
+            self._abandon_write()
+            if isinstance(exc, TransportError) or not isinstance(exc, Exception):
+                raise
             raise TransportError(
                 f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket {message.bucket_index} "
                 f"to rollout rank(s) {sorted(self._peers.values())} failed: {type(exc).__name__}: {exc}; "
                 f"{self.inflight.describe()}"
             ) from exc
-        super()._post_bucket(slot, message)
 
-    def _write_bucket(self, slot: int, message: BucketReady) -> None:
+    def _start_write(self, slot: int, message: BucketReady) -> None:
         nbytes = message.nbytes
-        if nbytes:
-            agent = self._agent
-            mem_type, _device, dev_id = self._mem_type()
-            local = agent.get_xfer_descs([(int(self._bufs[slot].data_ptr()), nbytes, dev_id)], mem_type)
-            handles: list[tuple[bytes, Any]] = []
-            try:
-                for ident, peer in self._remote.items():
-                    remote = agent.get_xfer_descs(
-                        [(self._slot_addrs[ident][slot], nbytes, peer.device_id)], peer.mem_type
-                    )
-                    handle = agent.initialize_xfer("WRITE", local, remote, self._remote_names[ident])
-                    state = agent.transfer(handle)
-                    handles.append((ident, handle))
+        handles: list[tuple[bytes, Any]] = []
+        self._write = _Write(slot, message, handles, self._deadline())
+        if not nbytes:
+            return
+        agent = self._agent
+        mem_type, _device, dev_id = self._mem_type()
+        local = agent.get_xfer_descs([(int(self._bufs[slot].data_ptr()), nbytes, dev_id)], mem_type)
+        for ident, peer in self._remote.items():
+            where = [(self._slot_addrs[ident][slot], nbytes, peer.device_id)]
+            remote = agent.get_xfer_descs(where, peer.mem_type)
+            handle = agent.initialize_xfer("WRITE", local, remote, self._remote_names[ident])
+            handles.append((ident, handle))
+            if agent.transfer(handle) == "ERR":
+                raise TransportError(
+                    f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
+                    f"{message.bucket_index} to rollout rank {peer.rank} failed to start; "
+                    f"{self.inflight.describe()}"
+                )
+
+    def _complete_write(self, block: bool) -> None:
+        """Announce the bucket in flight once every WRITE of it completed (``block``: wait for that,
+        at most ``timeout_s`` from its start); raise when one failed or timed out."""
+        write = self._write
+        if write is None:
+            return
+        with self._nixl_errors(write.message):
+            while True:
+                pending = []
+                for ident, handle in write.handles:
+                    state = self._agent.check_xfer_state(handle)
                     if state == "ERR":
                         raise TransportError(
                             f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
-                            f"{message.bucket_index} to rollout rank {peer.rank} failed to start; "
-                            f"{self.inflight.describe()}"
+                            f"{write.message.bucket_index} to rollout rank {self._peers.get(ident, '?')} "
+                            f"failed; {self.inflight.describe()}"
                         )
-                deadline = self._deadline()
-                pending = list(handles)
-                while pending:
-                    still = []
-                    for ident, handle in pending:
-                        state = agent.check_xfer_state(handle)
-                        if state == "ERR":
-                            raise TransportError(
-                                f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
-                                f"{message.bucket_index} to rollout rank {self._peers[ident]} failed; "
-                                f"{self.inflight.describe()}"
-                            )
-                        if state != "DONE":
-                            still.append((ident, handle))
-                    pending = still
-                    if pending and time.monotonic() > deadline:
-                        # UCX may still read our buffer (and write theirs): never free it now
-                        self._peer_may_write = True
-                        ranks = sorted(self._peers[i] for i, _ in pending)
-                        raise self._timeout_error(
-                            f"rollout rank(s) {ranks}", f"WRITE of bucket {message.bucket_index}"
-                        )
-                    if pending:
-                        time.sleep(0.0002)  # check_xfer_state progresses UCX; don't spin a core
-            finally:
-                for _ident, handle in handles:
-                    try:
-                        agent.release_xfer_handle(handle)
-                    except Exception:  # pragma: no cover - best effort
-                        pass
+                    if state != "DONE":
+                        pending.append(ident)
+                if not pending:
+                    break
+                if not block:
+                    return
+                self.inflight.phase = "wait-write"
+                if time.monotonic() > write.deadline:
+                    ranks = sorted(self._peers.get(i, -1) for i in pending)
+                    raise self._timeout_error(
+                        f"rollout rank(s) {ranks}", f"WRITE of bucket {write.message.bucket_index}"
+                    )
+                time.sleep(0.0002)  # check_xfer_state progresses UCX; don't spin a core
+        self._write = None
+        self._release_handles(write)
+        super()._post_bucket(write.slot, write.message)
+
+    def _release_handles(self, write: _Write) -> None:
+        for _ident, handle in write.handles:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # pragma: no cover - best effort
+                pass
+
+    def _abandon_write(self) -> None:
+        """A failed sync with WRITEs in flight: UCX may still read our buffer (and write theirs), so
+        neither side may free it now."""
+        write, self._write = self._write, None
+        if write is not None:
+            if write.handles:
+                self._peer_may_write = True
+            self._release_handles(write)

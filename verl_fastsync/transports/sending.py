@@ -56,6 +56,9 @@ class SendingTransport(TransportCore):
     def _post_abort(self, message: Abort) -> None:
         """Best effort: tell the receivers this sync failed (must not block past the timeout)."""
 
+    def _between_tensors(self) -> None:
+        """Called after each tensor is packed (hook, e.g. to notice a transfer in flight completed)."""
+
     def _device_sync(self, buffer: torch.Tensor) -> None:
         """Make device copies into/out of ``buffer`` complete before it is handed over."""
         synchronize_device(buffer.device)
@@ -127,6 +130,7 @@ class SendingTransport(TransportCore):
                 self.inflight.tensor = name if isinstance(name, str) else None
                 planner.add(name, tensor)
                 del tensor  # the bytes are ours now: keep nothing of the producer's
+                self._between_tensors()
                 self.inflight.last_tensor, self.inflight.tensor = self.inflight.tensor, None
             planner.finish()
             self.inflight = InFlight(phase="drain", last_tensor=self.inflight.last_tensor)
