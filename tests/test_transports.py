@@ -423,7 +423,7 @@ def test_nixl_sender_packs_the_next_bucket_while_a_write_moves() -> None:
     out here), announce bucket 0 only once its WRITE completed, and the bytes of both slots must
     arrive intact."""
     specs = [TensorSpec(f"b{i}", (900,), "float32") for i in range(6)]  # one tensor per 4 KiB bucket
-    ctor = {"bucket_size": 4096, "timeout_s": 20}
+    ctor = {"bucket_size": 4096, "timeout_s": 60}  # a blocking sender fails by this timeout
     with Cluster("nixl", 1, 1, mode="transport", ctor=ctor, timeout=240) as cluster:
         cluster.build_process_group()
         cluster.post(0, "exec", HOLD_WRITE_UNTIL_NEXT_PACKED)
