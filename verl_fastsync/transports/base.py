@@ -51,7 +51,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from verl_fastsync.chunks import AlignSpec
-from verl_fastsync.config import DEFAULT_TIMEOUT_S, validate_timeout
+from verl_fastsync.limits import DEFAULT_TIMEOUT_S, validate_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -78,8 +78,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from verl_fastsync import cleanup, plugins
-from verl_fastsync.config import ENV_COLOCATED, FastsyncConfig, config_from_rollout, validate_names
+from verl_fastsync import cleanup, plugins, selection
+from verl_fastsync.config import ENV_COLOCATED, FastsyncConfig, config_from_rollout
 from verl_fastsync.verl import importhook, metrics, startup
 from verl_fastsync.verl.importhook import MARK, PatchRequiredError, require, when_imported
 
@@ -133,7 +133,7 @@ class WorkerState:
             startup.check_patches_applied(PATCHED_MODULES)
             startup.check_disabled_plugins(config, environ)
             self.registry = plugins.registry(config.disabled_plugins)
-            validate_names(config, self.registry)
+            selection.validate_names(config, self.registry)
         startup.check_colocated_switch(config, environ)
         self.last_metrics: dict[str, float] = {}
         self.syncs = 0
