@@ -6,18 +6,23 @@
 * :func:`validate_names`: the cleanup policies and the colocated transport of a ``custom.fastsync``
   config (a trainer worker at start, ``verl-fastsync doctor``);
 * :func:`parse_engine_kwargs`: ``engine_kwargs.fastsync`` with its transport name and that transport's
-  own options (the ``fastsync`` checkpoint engine when verl constructs it, ``doctor``).
+  own options (the ``fastsync`` checkpoint engine when verl constructs it, ``doctor``);
+* :func:`colocated_transport`: the factory of a colocated transport name, which the colocated path
+  (a layer below the registry, whose built-ins the registry registers) is given through
+  :func:`wire_colocated` when it is imported (see :func:`verl_fastsync.verl.adapter.install_into_verl`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from verl_fastsync import plugins
 from verl_fastsync.config import (
+    ENV_COLOCATED,
     EngineSettings,
     FastsyncConfig,
     FastsyncConfigError,
@@ -25,7 +30,10 @@ from verl_fastsync.config import (
     parse_engine_settings,
 )
 
-__all__ = ["parse_engine_kwargs", "validate_names"]
+if TYPE_CHECKING:  # importing this module must not import torch (the adapter imports it at start)
+    from verl_fastsync.transports.base import TransportFactory
+
+__all__ = ["colocated_transport", "parse_engine_kwargs", "validate_names", "wire_colocated"]
 
 
 def validate_names(config: FastsyncConfig, registry: plugins.Registry | pluggy.PluginManager) -> None:
@@ -60,3 +68,15 @@ def parse_engine_kwargs(
 
     return parse_engine_settings(raw, engine_options)
 
+
+def colocated_transport(name: str) -> TransportFactory:
+    """The factory of the colocated transport ``name`` in this process's registry (an unknown or
+    blocked name raises :class:`~verl_fastsync.plugins.UnknownPluginNameError` naming
+    :data:`~verl_fastsync.config.ENV_COLOCATED`)."""
+    return plugins.select_transport(plugins.plugin_manager(), name, "colocated", key=ENV_COLOCATED)
+
+
+def wire_colocated(memory_module: ModuleType) -> None:
+    """Give the colocated path (:mod:`verl_fastsync.colocated.memory`, passed in once imported) this
+    process's registry as its transport lookup."""
+    memory_module.use_transport_lookup(colocated_transport)

@@ -19,6 +19,10 @@ module                                         patch
 ``.bucketed_weight_transfer``
 =============================================  =================================================
 
+The same hook hands :mod:`verl_fastsync.colocated.memory` (not verl's) this process's plugin registry
+as its transport lookup when it is imported: the colocated path sits below the registry, which
+registers its built-in transports.
+
 Where verl cleans up around the colocated sync, per release (line numbers of each wheel):
 
 =========  ==================================================  ====================================
@@ -91,6 +95,9 @@ CHECKPOINT_ENGINE = "verl.checkpoint_engine"
 CHECKPOINT_BASE = "verl.checkpoint_engine.base"
 TRACKING = "verl.utils.tracking"
 BUCKETED_TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
+COLOCATED_MEMORY = "verl_fastsync.colocated.memory"
+"""Not verl's: the colocated path, which sits below the plugin registry, gets this process's
+registry as its transport lookup when it is imported (:func:`verl_fastsync.selection.wire_colocated`)."""
 PATCHED_MODULES = (
     ENGINE_WORKERS,
     *LEGACY_WORKERS,
@@ -116,6 +123,7 @@ def install_into_verl() -> None:
         when_imported(CHECKPOINT_BASE, metrics.patch_checkpoint_manager)
         when_imported(TRACKING, metrics.patch_tracking)
         when_imported(BUCKETED_TRANSFER, _install_colocated)
+        when_imported(COLOCATED_MEMORY, selection.wire_colocated)
 
 
 # --------------------------------------------------------------------------------------------
