@@ -219,6 +219,14 @@ def test_every_package_imports_only_the_layers_below_it() -> None:
     assert upward_imports(graph, PACKAGE.name, LAYERS) == []
 
 
+def test_the_readme_shows_the_layers() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Layers") :].split("```text\n", 1)[1].split("```", 1)[0]
+    shown = [tuple(name.strip() for name in line.split("  ")[0].split(",")) for line in block.splitlines()]
+    shown = [tuple("" if name == "__init__" else name for name in names) for names in shown]
+    assert shown[::-1] == list(LAYERS)
+
+
 def test_no_module_over_the_line_limit() -> None:
     assert long_modules(PACKAGE) == {}, f"split these modules (over {MAX_LINES} lines)"
 
