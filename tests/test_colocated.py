@@ -105,6 +105,11 @@ def test_names_resolve_in_this_process_registry(handle: str, monkeypatch: pytest
     from verl_fastsync.colocated import memory
 
     assert memory._lookup is selection.colocated_transport
+    # until it is handed one (importing verl_fastsync wires it) it knows only its own two
+    assert memory.builtin_transport("shm") is memory.make_shm_memory
+    assert memory.builtin_transport("ipc") is memory.make_ipc_memory
+    with pytest.raises(ValueError, match=r"='rdma': unknown colocated transport; available: ipc, shm$"):
+        memory.builtin_transport("rdma")
     with pytest.raises(
         UnknownPluginNameError,
         match=r"^VERL_FASTSYNC_COLOCATED='carrier-pigeon': unknown colocated transport; available: ipc, shm$",

@@ -15,8 +15,9 @@ which the adapter calls when a worker starts, so a bad name fails before the fir
 
 It imports no torch and nothing of the package but :mod:`verl_fastsync.limits` (the one rule of each
 size and timeout, used here as :func:`validate_timeout`, :func:`validate_bucket_size` and
-:data:`DEFAULT_TIMEOUT_S`), so every layer above the chunks can import it; it is also the home of the
-environment variables that carry the config, :func:`timeout_from_env` and :data:`COLOCATED_OFF`.
+:data:`DEFAULT_TIMEOUT_S`), so the layers above it (colocated, transports, ...) can import it; it is
+also the home of the environment variables that carry the config, :func:`timeout_from_env` and
+:data:`COLOCATED_OFF`.
 """
 
 from __future__ import annotations
