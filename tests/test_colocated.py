@@ -98,6 +98,33 @@ def test_colocated_transports_are_registered() -> None:
         select_transport(pm, "carrier-pigeon", "colocated")
 
 
+def test_names_resolve_in_this_process_registry(handle: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the colocated path sits below the registry (which registers its shm and ipc): it is handed the
+    # registry's lookup when imported, so a blocked built-in fails as blocked, never falls back
+    from verl_fastsync import plugins, selection
+    from verl_fastsync.colocated import memory
+
+    assert memory._lookup is selection.colocated_transport
+    # until it is handed one (importing verl_fastsync wires it) it knows only its own two
+    assert memory.builtin_transport("shm") is memory.make_shm_memory
+    assert memory.builtin_transport("ipc") is memory.make_ipc_memory
+    with pytest.raises(ValueError, match=r"='rdma': unknown colocated transport; available: ipc, shm$"):
+        memory.builtin_transport("rdma")
+    with pytest.raises(
+        UnknownPluginNameError,
+        match=r"^VERL_FASTSYNC_COLOCATED='carrier-pigeon': unknown colocated transport; available: ipc, shm$",
+    ):
+        ColocatedSender(handle, 1, transport="carrier-pigeon")._make_memory()
+    monkeypatch.setenv(plugins.ENV_DISABLED, plugins.BUILTIN_TRANSPORTS)
+    plugins.reset()
+    try:
+        with pytest.raises(UnknownPluginNameError, match=r"='shm': colocated transport blocked by disabled"):
+            ColocatedSender(handle, 1, transport="shm")._make_memory()
+    finally:
+        monkeypatch.delenv(plugins.ENV_DISABLED)
+        plugins.reset()
+
+
 @pytest.mark.parametrize(
     ("value", "use_shm", "expected"),
     [

@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from verl_fastsync import config, plugins
+from verl_fastsync import config, plugins, selection
 from verl_fastsync.config import (
     FastsyncConfig,
     FastsyncConfigError,
     config_from_rollout,
     parse_fastsync_config,
-    validate_names,
 )
+from verl_fastsync.selection import validate_names
 
 KEY = "actor_rollout_ref.rollout.custom.fastsync"
 
@@ -183,7 +183,7 @@ def test_every_timeout_goes_through_the_rule(bad: Any, monkeypatch: pytest.Monke
     ):
         parse_fastsync_config({"timeout_s": bad})
     with pytest.raises(ValueError, match="timeout_s must be a finite number > 0 of seconds"):
-        config.parse_engine_kwargs({"timeout_s": bad}, plugins.get_plugin_manager())
+        selection.parse_engine_kwargs({"timeout_s": bad}, plugins.get_plugin_manager())
     with pytest.raises(ValueError, match="timeout_s must be a"):
         protocol._check_timeout(bad)
     with pytest.raises((TypeError, ValueError), match="timeout_s must be a"):
@@ -196,16 +196,16 @@ def test_shm_slots_are_validated_with_what_is_allowed(bad: Any) -> None:
     with pytest.raises(
         ValueError, match=r"engine_kwargs\.fastsync\.slots=.* is invalid; allowed: an integer from 2 to 4"
     ):
-        config.parse_engine_kwargs({"transport": "shm", "slots": bad}, plugins.get_plugin_manager())
+        selection.parse_engine_kwargs({"transport": "shm", "slots": bad}, plugins.get_plugin_manager())
 
 
 def test_shm_slots_default_and_override_and_only_for_shm() -> None:
     from verl_fastsync.transports.base import TransportOptions
     from verl_fastsync.transports.shm import DEFAULT_SLOTS, ShmTransport
 
-    settings = config.parse_engine_kwargs({"transport": "shm", "slots": "4"}, plugins.get_plugin_manager())
+    settings = selection.parse_engine_kwargs({"transport": "shm", "slots": "4"}, plugins.get_plugin_manager())
     assert settings.extra == {"slots": 4}
     assert ShmTransport(TransportOptions(extra=settings.extra)).slots == 4
     assert ShmTransport(TransportOptions()).slots == DEFAULT_SLOTS == 3
     with pytest.raises(ValueError, match=r"unknown engine_kwargs\.fastsync key\(s\) \['slots'\]"):
-        config.parse_engine_kwargs({"transport": "gloo", "slots": 3}, plugins.get_plugin_manager())
+        selection.parse_engine_kwargs({"transport": "gloo", "slots": 3}, plugins.get_plugin_manager())

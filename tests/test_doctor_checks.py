@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from verl_fastsync.config import parse_engine_kwargs
+from verl_fastsync.selection import parse_engine_kwargs
 from verl_fastsync.tools import doctor, doctor_env
 
 ROOT = Path(__file__).resolve().parent.parent

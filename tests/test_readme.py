@@ -17,7 +17,8 @@ USE = """
 import json
 from verl_fastsync import plugins
 from verl_fastsync.cleanup import run_boundary
-from verl_fastsync.config import FastsyncConfig, validate_names
+from verl_fastsync.config import FastsyncConfig
+from verl_fastsync.selection import validate_names
 
 class Device:
     calls = []

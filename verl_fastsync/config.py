@@ -8,13 +8,16 @@ workers, the checkpoint-engine workers and the rollout servers on every supporte
     +actor_rollout_ref.rollout.custom.fastsync.pre_resume_cleanup=adaptive
 
 Parsing is strict: an unknown key (a typo such as ``enabel``) or a value of the wrong type fails
-with :class:`FastsyncConfigError`, naming the key, the value and what is allowed. Policy and
-transport *names* are checked against the registered plugins by :func:`validate_names`, which the
-adapter calls when a worker starts, so a bad name fails before the first sync.
+with :class:`FastsyncConfigError`, naming the key, the value and what is allowed. This module is data
+and its own rules: it never looks a name up. Policy and transport *names* are checked against the
+registered plugins by :mod:`verl_fastsync.selection` (``validate_names``, ``parse_engine_kwargs``),
+which the adapter calls when a worker starts, so a bad name fails before the first sync.
 
-This module is also the one home of the rules every path shares (it imports nothing of the package
-and no torch, so every module can import it): :func:`validate_timeout`, :func:`validate_bucket_size`,
-:func:`timeout_from_env`, :data:`DEFAULT_TIMEOUT_S` and :data:`COLOCATED_OFF`.
+It imports no torch and nothing of the package but :mod:`verl_fastsync.limits` (the one rule of each
+size and timeout, used here as :func:`validate_timeout`, :func:`validate_bucket_size` and
+:data:`DEFAULT_TIMEOUT_S`), so the layers above it (colocated, transports, ...) can import it; it is
+also the home of the environment variables that carry the config, :func:`timeout_from_env` and
+:data:`COLOCATED_OFF`.
 """
 
 from __future__ import annotations
@@ -22,14 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-KEY_PREFIX = "actor_rollout_ref.rollout.custom.fastsync"
+from verl_fastsync.limits import DEFAULT_TIMEOUT_S, validate_bucket_size, validate_timeout
 
-DEFAULT_TIMEOUT_S = 600.0
-"""Default limit of one blocking wait of a sync (seconds), on every path (generous: a vLLM worker may be
-slow to start receiving)."""
+KEY_PREFIX = "actor_rollout_ref.rollout.custom.fastsync"
 
 # The environment variables that carry the config to processes that never see it (vLLM's workers);
 # they reach every Ray actor through ``+ray_kwargs.ray_init.runtime_env.env_vars``.
@@ -43,39 +44,6 @@ ENV_COLOCATED_VERIFY = "VERL_FASTSYNC_COLOCATED_VERIFY"
 
 COLOCATED_OFF = frozenset({"", "0", "false", "off", "no"})
 """Values of :data:`ENV_COLOCATED` (lower-cased, stripped) that leave verl's colocated transfer alone."""
-
-
-# -- the one rule of each size and timeout (torch-free, imported by every path that takes one) ---------
-
-
-def validate_timeout(value: object, what: str = "timeout_s") -> float:
-    """``value`` as seconds if it is a finite number > 0 (not a bool); else ``TypeError`` (not a
-    number) or ``ValueError``, both naming ``what``. Every timeout of the package goes through here."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a finite number > 0 of seconds, got {value!r}")
-    return float(value)
-
-
-def validate_bucket_size(bucket_size: object, what: str = "bucket_size", *, mib: bool = False) -> int:
-    """A bucket size in bytes: ``bucket_size`` if it is a positive int (not a bool), else ``TypeError``
-    / ``ValueError`` naming ``what``. With ``mib=True`` ``bucket_size`` is a finite number of MiB
-    (verl's ``bucket_size_mb``), converted to bytes, which must come to at least one byte; anything
-    else is a ``ValueError``. Every bucket size of the package goes through here."""
-    if mib:
-        size = 0
-        if isinstance(bucket_size, int | float) and not isinstance(bucket_size, bool):
-            if math.isfinite(bucket_size) and bucket_size > 0:
-                size = int(bucket_size * (1 << 20))
-        if size <= 0:
-            raise ValueError(f"{what} must be a positive number of MiB, got {bucket_size!r}")
-        return size
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
-        raise TypeError(f"{what} must be a positive int (bytes), got {bucket_size!r}")
-    if bucket_size <= 0:
-        raise ValueError(f"{what} must be a positive number of bytes, got {bucket_size}")
-    return bucket_size
 
 
 def timeout_from_env(raw: str | None, what: str = ENV_COLOCATED_TIMEOUT) -> float | None:
@@ -223,23 +191,6 @@ def config_from_rollout(rollout_config: Any) -> FastsyncConfig:
     return parse_fastsync_config(_get(_get(rollout_config, "custom"), "fastsync"))
 
 
-def validate_names(config: FastsyncConfig, registry: Any) -> None:
-    """Check policy and transport names against the registered plugins (raises FastsyncConfigError).
-
-    :param registry: a :class:`verl_fastsync.plugins.Registry` (or a plugin manager).
-    """
-    from verl_fastsync import plugins
-
-    reg = plugins.registry_of(registry)
-    try:
-        for boundary in plugins.BOUNDARIES:
-            reg.cleanup_policy(boundary, getattr(config, boundary), key=config.key(boundary))
-        if config.colocated_transport is not None:
-            reg.transport("colocated", config.colocated_transport, key=config.key("colocated_transport"))
-    except plugins.UnknownPluginNameError as exc:
-        raise FastsyncConfigError(str(exc)) from exc
-
-
 # -- checkpoint_engine.engine_kwargs.fastsync ---------------------------------------------------
 
 ENGINE_KEY_PREFIX = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync"
@@ -313,14 +264,17 @@ class EngineSettings:
     """The selected transport's own declared options (``engine_options``), validated."""
 
 
-def parse_engine_kwargs(raw: Mapping[str, Any] | None, registry: Any = None) -> EngineSettings:
-    """Validate ``engine_kwargs.fastsync`` exactly as the engine does when verl constructs it.
+OptionValidator = Callable[[str, Any], Any]
+"""``validator(key, value) -> value``: one option a transport declares in ``engine_options``."""
+EngineOptions = Callable[[str, str], Mapping[str, OptionValidator]]
+"""``engine_options(transport, key) -> {option: validator}``: the options the engine transport named
+``transport`` declares; raises (naming ``key``) for a name it does not know."""
 
-    :param registry: a :class:`verl_fastsync.plugins.Registry`: the transport name is checked against
-        it, and its ``engine_options`` validate the transport's own keys. ``None``: this process's.
-    """
-    from verl_fastsync import plugins
 
+def parse_engine_settings(raw: Mapping[str, Any] | None, engine_options: EngineOptions) -> EngineSettings:
+    """Validate ``engine_kwargs.fastsync``; the transport's name and its own options are whatever
+    ``engine_options`` says (this module looks no name up: :func:`verl_fastsync.selection.parse_engine_kwargs`
+    passes this process's registry, exactly as the engine does when verl constructs it)."""
     raw = dict(_to_plain(raw) or {})
     where = "engine_kwargs.fastsync"
     for key, why in _RESERVED_ENGINE_KEYS.items():
@@ -329,9 +283,7 @@ def parse_engine_kwargs(raw: Mapping[str, Any] | None, registry: Any = None) -> 
     transport = raw.pop("transport", "shm")
     if not isinstance(transport, str) or not transport.strip():
         raise EngineKwargsError(f"{where}.transport={transport!r} is invalid; allowed: a transport name")
-    reg = plugins.registry() if registry is None else plugins.registry_of(registry)
-    factory = reg.transport("engine", transport, key=f"{where}.transport")
-    declared: Mapping[str, Any] = getattr(factory, "engine_options", None) or {}
+    declared = engine_options(transport, f"{where}.transport")
     unknown = sorted(set(raw) - set(ENGINE_KEYS) - set(declared))
     if unknown:
         allowed = ", ".join((*ENGINE_KEYS, *declared))

@@ -8,7 +8,8 @@ xxhash ``checksum`` (``int | None``, the only optional field).
 
 Errors are :class:`ChunkError` (a ``ValueError``) subclasses; non-tensor values raise ``TypeError``.
 Imports torch, numpy and msgspec only (no verl, no device runtime); :func:`validate_bucket_size` is
-:func:`verl_fastsync.config.validate_bucket_size` (the one bucket-size rule, torch-free).
+:func:`verl_fastsync.limits.validate_bucket_size` (the one bucket-size rule, torch-free); nothing here
+knows the config or the plugin registry.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import msgspec
 import torch
 
 # the one bucket-size rule lives with the other torch-free rules (the config parser needs it too)
-from verl_fastsync.config import validate_bucket_size
+from verl_fastsync.limits import validate_bucket_size
 
 try:  # numpy ships with every verl install; without it host copies fall back to torch
     import numpy as np

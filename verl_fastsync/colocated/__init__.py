@@ -82,8 +82,10 @@ Timeouts: every wait is bounded by ``timeout_s`` (default :data:`DEFAULT_TIMEOUT
 
 Modules: :mod:`.protocol` (constants, errors, control messages, the per-process switch),
 :mod:`.planner` (buckets: whole tensors stay whole, oversize ones are chunked), :mod:`.memory` (slot
-memory: shm, CUDA IPC), :mod:`.slots` (the persistent slots of this process), :mod:`.channel` (the
-zmq control channel), :mod:`.sender`, :mod:`.receiver`, :mod:`.switch` (verl's
+memory: shm, CUDA IPC; a transport name is resolved by the lookup it is handed, this process's plugin
+registry once the adapter has wired it: this package sits below the registry), :mod:`.slots` (the
+persistent slots of this process), :mod:`.channel` (the zmq control channel), :mod:`.sender`,
+:mod:`.receiver`, :mod:`.switch` (verl's
 ``bucketed_weight_transfer`` substitution) and :mod:`.sglang` (the SGLang receiver).
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -250,10 +251,38 @@ def make_ipc_memory(**kwargs: Any) -> IpcSlotMemory:
     return IpcSlotMemory(**kwargs)
 
 
-def _resolve_memory(name: str, **kwargs: Any) -> SlotMemory:
-    from verl_fastsync.plugins import plugin_manager, select_transport
+MemoryFactory = Callable[..., SlotMemory]
+"""A ``("colocated", name)`` transport factory: ``factory(**kwargs) -> SlotMemory``."""
+TransportLookup = Callable[[str], MemoryFactory]
+"""``lookup(name) -> factory``; raises for a name it does not know."""
 
-    factory = select_transport(plugin_manager(), name, "colocated", key=ENV_ENABLE)
+_BUILTIN: dict[str, MemoryFactory] = {"ipc": make_ipc_memory, "shm": make_shm_memory}
+
+
+def builtin_transport(name: str) -> MemoryFactory:
+    """This package's own colocated transports: the lookup until :func:`use_transport_lookup` is called."""
+    factory = _BUILTIN.get(name)
+    if factory is None:
+        raise ValueError(f"{ENV_ENABLE}={name!r}: unknown colocated transport; available: ipc, shm")
+    return factory
+
+
+_lookup: TransportLookup = builtin_transport
+
+
+def use_transport_lookup(lookup: TransportLookup) -> None:
+    """Resolve colocated transport names with ``lookup`` in this process.
+
+    This package sits below the plugin registry (the registry registers its ``shm`` and ``ipc``), so it
+    is handed the registry's lookup rather than importing it: the adapter passes
+    :func:`verl_fastsync.selection.colocated_transport` when this module is imported, in every process
+    that imports ``verl_fastsync`` (:func:`verl_fastsync.verl.adapter.install_into_verl`)."""
+    global _lookup
+    _lookup = lookup
+
+
+def _resolve_memory(name: str, **kwargs: Any) -> SlotMemory:
+    factory = _lookup(name)
     memory = factory(**kwargs)
     for attr in ("allocate", "release", "attach", "detach"):
         if not callable(getattr(memory, attr, None)):

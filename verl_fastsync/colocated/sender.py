@@ -35,8 +35,8 @@ from verl_fastsync.colocated.protocol import (
     colocated_transport_name,
 )
 from verl_fastsync.colocated.slots import _LAST_METRICS, NUM_SLOTS, _sender_slots, _SenderSlots
-from verl_fastsync.config import validate_bucket_size
 from verl_fastsync.io.fence import synchronize_device
+from verl_fastsync.limits import validate_bucket_size
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ It reports the installed verl release and how the plugin gets loaded there, whic
 each hook, which transports are available per kind (and why the others are not), and the resolved
 ``fastsync`` config and ``engine_kwargs.fastsync`` for Hydra-style overrides given on the command
 line - with the same validation code and messages the workers use
-(:func:`~verl_fastsync.config.parse_fastsync_config`, :func:`~verl_fastsync.config.validate_names`,
-:func:`~verl_fastsync.config.parse_engine_kwargs`, the start-up checks of
+(:func:`~verl_fastsync.config.parse_fastsync_config`, :func:`~verl_fastsync.selection.validate_names`,
+:func:`~verl_fastsync.selection.parse_engine_kwargs`, the start-up checks of
 :mod:`verl_fastsync.verl.startup`). The exit status is non-zero when something requested cannot
 work; ``status: ok`` means none of these checks would fail once verl starts.
 
@@ -108,12 +108,8 @@ __all__ = [
 def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The doctor report as a JSON-able dict; ``problems`` is non-empty when something cannot work."""
     from verl_fastsync import __version__, plugins
-    from verl_fastsync.config import (
-        FastsyncConfigError,
-        parse_engine_kwargs,
-        parse_fastsync_config,
-        validate_names,
-    )
+    from verl_fastsync.config import FastsyncConfigError, parse_fastsync_config
+    from verl_fastsync.selection import parse_engine_kwargs, validate_names
 
     report: dict[str, Any] = {
         "verl_fastsync": {"version": __version__, "path": os.path.dirname(verl_fastsync.__file__)},

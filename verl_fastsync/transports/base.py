@@ -19,7 +19,7 @@ Engine transports mirror verl's checkpoint-engine lifecycle, once per weight syn
 
 Trainer rank 0 broadcasts to every rollout rank; other trainer ranks get ``rank=-1`` and take no part
 (the engine still walks their weight generator). :class:`~verl_fastsync.transports.buffered.BufferedTransport`
-(its own module; importable from here too) implements the double
+(its own module, above this one) implements the double
 buffering (bucket ``k+1`` is packed while bucket ``k`` moves; two bucket buffers per side), the
 timeouts, the verify checksums, the abort path and the statistics once; a concrete transport only
 supplies the buffers and how a bucket moves.
@@ -51,7 +51,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from verl_fastsync.chunks import AlignSpec
-from verl_fastsync.config import DEFAULT_TIMEOUT_S, validate_timeout
+from verl_fastsync.limits import DEFAULT_TIMEOUT_S, validate_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -291,13 +291,3 @@ def allocate_bucket_buffers(
         if buffer.device.type == "cpu" and size:
             buffer.numpy().fill(0)
     return buffers
-
-
-def __getattr__(name: str) -> Any:
-    """``BufferedTransport`` from here keeps working (it lives in its own module, which imports this
-    one)."""
-    if name == "BufferedTransport":
-        from verl_fastsync.transports.buffered import BufferedTransport
-
-        return BufferedTransport
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

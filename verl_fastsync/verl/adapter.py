@@ -19,6 +19,10 @@ module                                         patch
 ``.bucketed_weight_transfer``
 =============================================  =================================================
 
+The same hook hands :mod:`verl_fastsync.colocated.memory` (not verl's) this process's plugin registry
+as its transport lookup when it is imported: the colocated path sits below the registry, which
+registers its built-in transports.
+
 Where verl cleans up around the colocated sync, per release (line numbers of each wheel):
 
 =========  ==================================================  ====================================
@@ -78,8 +82,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from verl_fastsync import cleanup, plugins
-from verl_fastsync.config import ENV_COLOCATED, FastsyncConfig, config_from_rollout, validate_names
+from verl_fastsync import cleanup, plugins, selection
+from verl_fastsync.config import ENV_COLOCATED, FastsyncConfig, config_from_rollout
 from verl_fastsync.verl import importhook, metrics, startup
 from verl_fastsync.verl.importhook import MARK, PatchRequiredError, require, when_imported
 
@@ -91,6 +95,9 @@ CHECKPOINT_ENGINE = "verl.checkpoint_engine"
 CHECKPOINT_BASE = "verl.checkpoint_engine.base"
 TRACKING = "verl.utils.tracking"
 BUCKETED_TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
+COLOCATED_MEMORY = "verl_fastsync.colocated.memory"
+"""Not verl's: the colocated path, which sits below the plugin registry, gets this process's
+registry as its transport lookup when it is imported (:func:`verl_fastsync.selection.wire_colocated`)."""
 PATCHED_MODULES = (
     ENGINE_WORKERS,
     *LEGACY_WORKERS,
@@ -116,6 +123,7 @@ def install_into_verl() -> None:
         when_imported(CHECKPOINT_BASE, metrics.patch_checkpoint_manager)
         when_imported(TRACKING, metrics.patch_tracking)
         when_imported(BUCKETED_TRANSFER, _install_colocated)
+        when_imported(COLOCATED_MEMORY, selection.wire_colocated)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +141,7 @@ class WorkerState:
             startup.check_patches_applied(PATCHED_MODULES)
             startup.check_disabled_plugins(config, environ)
             self.registry = plugins.registry(config.disabled_plugins)
-            validate_names(config, self.registry)
+            selection.validate_names(config, self.registry)
         startup.check_colocated_switch(config, environ)
         self.last_metrics: dict[str, float] = {}
         self.syncs = 0

@@ -54,7 +54,8 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from verl_fastsync.chunks import leading_slice_bytes, validate_bucket_size
-from verl_fastsync.config import engine_bucket_size, parse_bucket_bytes, parse_engine_kwargs
+from verl_fastsync.config import engine_bucket_size, parse_bucket_bytes
+from verl_fastsync.selection import parse_engine_kwargs
 from verl_fastsync.transports.base import (
     EngineTransport,
     EngineTransportFactory,

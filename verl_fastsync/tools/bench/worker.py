@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, ClassVar
 
-from verl_fastsync.tools.bench import baselines
+import verl_fastsync.tools.bench.baselines as baselines
 from verl_fastsync.tools.bench.measure import (
     CpuDevice,
     DevicePeak,
