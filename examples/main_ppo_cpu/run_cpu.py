@@ -81,7 +81,7 @@ def _engine(transport: str) -> list[str]:
     return [
         f"{ENGINE}backend=fastsync",
         f"+{ENGINE}engine_kwargs.fastsync.transport={transport}",
-        f"+{ENGINE}engine_kwargs.fastsync.bucket_bytes=1MiB",
+        f"+{ENGINE}engine_kwargs.fastsync.bucket_bytes=64KiB",
     ]
 
 
