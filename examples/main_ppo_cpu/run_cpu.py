@@ -13,7 +13,8 @@ The command is split into three parts, so the README can show which is which:
   would write anyway;
 * :func:`cpu_overrides` and :func:`cpu_env` - what this CPU host needs and a GPU host does not (the
   shims of ``verl_cpu_shims.py``, Ray told of a GPU, vLLM-CPU settings, fp32);
-* :data:`FASTSYNC` - per mode, the README's overrides that switch the plugin on (none for ``stock``).
+* per mode (:data:`MODES`), the layout and the README's overrides that switch the plugin on (none
+  for ``stock``).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ colocated overrides in the v1 (default) and the legacy v0 trainer. ``separate-*`
 ``separate_async`` trainer with ``checkpoint_engine.backend=fastsync`` on each transport."""
 
 
-def cpu_env(mode: str) -> dict[str, str]:
+def cpu_env() -> dict[str, str]:
     """Environment this CPU host needs (exported before ``ray.init`` starts the local cluster, so every
     Ray actor and vLLM process inherits it)."""
     return {
@@ -174,7 +175,7 @@ def command(
         *fastsync,
         *(extra or []),
     ]
-    env = cpu_env(mode)
+    env = cpu_env()
     env["VERL_FILE_LOGGER_PATH"] = str(workdir / f"metrics-{mode}.jsonl")
     return argv, env
 
@@ -189,7 +190,7 @@ def main() -> None:
     argv, env = command(args.mode, args.workdir.resolve(), args.steps, extra)
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " \\")
-        print("  " + " \\\n  ".join(shlex.quote(a) for a in argv))
+        print("  " + " ".join(argv[:3]) + " \\\n    " + " \\\n    ".join(shlex.quote(a) for a in argv[3:]))
         return
     print(f"step metrics (JSON lines): {env['VERL_FILE_LOGGER_PATH']}", flush=True)
     os.execve(argv[0], argv, {**os.environ, **env})
