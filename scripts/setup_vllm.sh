@@ -56,6 +56,9 @@ with open(os.path.join(info, "RECORD"), "w") as f:
 EOF
     touch "$STAMP"
 fi
+# verl 0.9.1's v1 trainer (main_ppo's default, tests/e2e/test_main_ppo.py) imports transfer_queue
+# ("transferqueue" on the index); everything it needs is installed above, so no resolver pass.
+"$PY" -c "import transfer_queue" 2>/dev/null || pipi --no-deps "transferqueue==0.1.11"
 # This package, editable and without dependencies (verl and torch come from above); rerun every time so a
 # copied venv points at this checkout.
 pipi --no-deps -e .

@@ -54,7 +54,7 @@ run_pytest() {
 }
 
 echo "=== ruff"
-ruff check verl_fastsync tests benchmarks || status=1
+ruff check verl_fastsync tests benchmarks examples || status=1
 echo "=== mypy"
 mypy || status=1
 

@@ -29,6 +29,10 @@ What doctor checks beyond the config values:
   environment.
 * Transport names are checked against the registered plugins (the worker's message) and, for an
   unknown name, doctor adds which transports are usable on this host.
+* verl against the installed vLLM (:mod:`verl_fastsync.tools.doctor_skew`): a call verl's vLLM server
+  makes that this vLLM refuses (e.g. verl 0.9.1's ``pause_generation(wait_for_inflight_requests=...)``
+  on vLLM 0.32) is a ``WARNING`` naming both versions and what fails; it does not change the status
+  (the colocated ``naive`` sync never makes that call).
 
 Doctor does not import verl: the version comes from the release's ``verl/version/version`` file (what
 ``verl.__version__`` reads) or its ``dist-info`` next to the package, found with
@@ -79,6 +83,7 @@ from verl_fastsync.tools.doctor_env import (
 )
 from verl_fastsync.tools.doctor_env import _probe_cupy as _probe_cupy
 from verl_fastsync.tools.doctor_env import _short_error as _short_error
+from verl_fastsync.tools.doctor_skew import skew_warnings
 
 if TYPE_CHECKING:
     from verl_fastsync.plugins import Provided, Registry
@@ -116,6 +121,7 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "problems": [],
         "notes": [],
+        "warnings": [],
     }
     problems: list[str] = report["problems"]
 
@@ -139,6 +145,7 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
         engine_kwargs = _dig(parsed.tree, ENGINE_KEY_PREFIX) or {}
     report["worker_env"] = worker_env
     report["verl"] = verl_info(worker_env)
+    report["warnings"] = skew_warnings(report["verl"].get("path"), report["verl"].get("version"))
     if report["verl"].get("import_error"):
         problems.append(f"import verl failed: {report['verl']['import_error']}")
     if parsed is not None and parsed.ignored:
@@ -395,6 +402,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"engine kwargs ({ENGINE_KEY_PREFIX}): {report['engine_kwargs']!r}")
     for note in report["notes"]:
         lines.append(f"note: {note}")
+    for warning in report.get("warnings", ()):
+        lines.append(f"WARNING: {warning}")
     for problem in report["problems"]:
         lines.append(f"ERROR: {problem}")
     lines.append("status: " + ("ok" if report.get("ok") else f"{len(report['problems'])} problem(s)"))

@@ -1,0 +1,45 @@
+"""The CPU ``main_ppo`` example switches fastsync on with exactly the README's overrides, and the README
+lists exactly the example's modes (the runs themselves are ``tests/e2e/test_main_ppo.py``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from _main_ppo_harness import example
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def _bash_block_with(needle: str) -> list[str]:
+    """The override lines of the README's first ```bash block that contains ``needle``."""
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        if needle in block:
+            return [line.strip().rstrip("\\").strip() for line in block.splitlines() if line.strip()]
+    raise AssertionError(f"no bash block in the README contains {needle!r}")
+
+
+def test_the_colocated_modes_use_the_readmes_colocated_overrides() -> None:
+    run_cpu = example()
+    readme = _bash_block_with("custom.fastsync.colocated_transport=shm")
+    for mode in ("colocated", "colocated-v0"):
+        _layout, fastsync = run_cpu.MODES[mode]
+        assert fastsync == readme, (mode, fastsync, readme)
+
+
+def test_the_engine_modes_use_the_readmes_engine_overrides() -> None:
+    run_cpu = example()
+    readme = _bash_block_with("checkpoint_engine.backend=fastsync")
+    for transport in ("shm", "gloo", "nixl"):
+        _layout, fastsync = run_cpu.MODES[f"separate-{transport}"]
+        # the README's block with the transport named, and the bucket size the test sets
+        want = [line.replace("transport=shm", f"transport={transport}") for line in readme]
+        assert fastsync[:2] == want[:2], (transport, fastsync, want)
+        assert [o.split("=")[0] for o in fastsync] == [o.split("=")[0] for o in want], (fastsync, want)
+
+
+def test_the_readme_lists_every_mode_and_stock_switches_nothing_on() -> None:
+    run_cpu = example()
+    line = next(x for x in README.splitlines() if x.startswith("# CPU: "))
+    assert line.split("# CPU: ")[1].split(" (")[0].split(" | ") == list(run_cpu.MODES)
+    assert run_cpu.MODES["stock"] == ([], [])
