@@ -99,6 +99,7 @@ class ShmTransport(ControlledTransport):
         self._kept: dict[str, Lease] = {}
         self._returned: list[str] = []
         self._keep_this: bool = False
+        self._let_go: list[Lease] = []  # leases of segments the sender dropped while still lent
         self.segments_made = 0
         """Segments this sender created (constant while the rotation keeps up)."""
 
@@ -295,7 +296,9 @@ class ShmTransport(ControlledTransport):
         """Unmap segments the sender dropped (a view the consumer holds keeps its own mapping)."""
         for name in names:
             seg = self._pool.pop(name, None)
-            self._kept.pop(name, None)
+            lease = self._kept.pop(name, None)
+            if lease is not None:
+                self._let_go.append(lease)  # the consumer's: counted as held until it lets go
             if seg is not None:
                 seg.close()
 
@@ -321,7 +324,9 @@ class ShmTransport(ControlledTransport):
 
     def _held_bytes(self) -> int:
         self._reclaim()
-        return sum(self._pool[name].size for name in self._kept if name in self._pool) + super()._held_bytes()
+        self._let_go = [lease for lease in self._let_go if lease.active]
+        held = sum(lease.nbytes for lease in [*self._kept.values(), *self._let_go])
+        return held + super()._held_bytes()
 
     def _settle(self, slot: int, lease: Lease) -> None:
         self._reclaim()
