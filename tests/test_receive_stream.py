@@ -1,0 +1,88 @@
+"""The engine receive stream's own rules (no verl): the reason a closed stream sends, and the fence on
+the destination device before a bucket is refilled or reused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
+
+from verl_fastsync.chunks import Assembler, ChunkMeta
+from verl_fastsync.chunks.meta import dtype_to_str
+from verl_fastsync.transports.base import ConsumerError, consumer_error, failure_reason
+
+
+def test_a_closed_stream_names_the_consumer_not_pythons_close_mechanism() -> None:
+    assert failure_reason(GeneratorExit(), 7) == (
+        "the consumer stopped before the end of the sync (its receive stream was closed after 7 tensors)"
+    )
+    assert failure_reason(ValueError("bad shape")) == "ValueError: bad shape"
+    assert "cancelled" in failure_reason(asyncio.CancelledError())
+    error = consumer_error(KeyError("lm_head.weight"), 3)
+    assert isinstance(error, ConsumerError)
+    assert str(error) == "the consumer failed: KeyError: 'lm_head.weight'"
+    assert failure_reason(error) == str(error)  # thrown into the stream, it is sent as it is
+    assert str(consumer_error(None, 2)).startswith("the consumer stopped before the end of the sync")
+
+
+def test_copies_into_a_device_destination_are_noted_on_the_fence() -> None:
+    """A destination on another device is written with a non-blocking copy: the assembler's fence
+    must name that device (the bucket's own device, the host, tells nothing about it)."""
+    data = torch.arange(16, dtype=torch.uint8)
+    meta = ChunkMeta(
+        name="w",
+        tensor_index=0,
+        shape=(4,),
+        dtype=dtype_to_str(torch.float32),
+        total_bytes=16,
+        chunk_offset=0,
+        chunk_size=16,
+        bucket_offset=0,
+    )
+    on_host = Assembler("cpu")
+    on_host.feed(meta, data)
+    assert not on_host.fence.pending
+    on_device = Assembler("meta")  # stands in for an accelerator: copies into it are device copies
+    ((_name, tensor),) = on_device.feed(meta, data)
+    assert tensor.device.type == "meta" and on_device.fence.pending
+
+
+FENCE_PROBE = """
+import verl_fastsync.io.fence as fence
+events = worker.events = []
+original_wait = fence.DeviceFence.wait
+def wait(self):
+    events.append("fence")
+    original_wait(self)
+fence.DeviceFence.wait = wait
+t = worker.engine
+original_release = t._release_slot
+def release(slot, bucket_index):
+    events.append(("release", bucket_index))
+    original_release(slot, bucket_index)
+t._release_slot = release
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_the_destination_fence_comes_before_every_bucket_release(transport: str) -> None:
+    """Before a receiver lets its sender refill a slot (or reuses the buffer), every copy out of that
+    bucket has completed, those into device destinations included."""
+    specs = [TensorSpec(f"t{i}", (900,), "float32") for i in range(5)] + [
+        TensorSpec("big", (3000,), "float32")
+    ]
+    ctor = {"bucket_size": 4096, "timeout_s": 60}
+    with Cluster(transport, 1, 1, mode="transport", ctor=ctor, timeout=240) as cluster:
+        cluster.post(1, "exec", FENCE_PROBE)
+        cluster.wait(1)
+        result = cluster.sync(specs, seed=3)
+        cluster.post(1, "exec", "result = list(worker.events)")
+        events = cluster.wait(1)
+    assert [tuple(d) for d in result["receivers"][0]["digests"]] == expected_digests(specs, 3)
+    releases = [i for i, event in enumerate(events) if event != "fence"]
+    assert len(releases) == result["senders"][0]["metrics"]["fastsync/transfer/buckets"]
+    for index in releases:
+        assert index > 0 and events[index - 1] == "fence", events
