@@ -43,6 +43,9 @@ import torch
 __all__ = ["DestinationPool", "Lease", "LendingPool", "lend"]
 
 
+_NO_MEMORY = torch.empty(0, dtype=torch.uint8)
+
+
 class Lease:
     """What the consumer was lent from one buffer: :attr:`active` while any of it is referenced."""
 
@@ -56,6 +59,11 @@ class Lease:
     @property
     def active(self) -> bool:
         return self._ref is not None and self._ref() is not None
+
+    def forget_buffer(self) -> None:
+        """The lender lets go of the buffer: its memory is freed as soon as the consumer's last view
+        dies, while :attr:`active` and :attr:`nbytes` still tell whether, and how much, it holds."""
+        self.buffer = _NO_MEMORY
 
 
 def lend(

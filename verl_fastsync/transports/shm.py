@@ -297,8 +297,9 @@ class ShmTransport(ControlledTransport):
         for name in names:
             seg = self._pool.pop(name, None)
             lease = self._kept.pop(name, None)
-            if lease is not None:
-                self._let_go.append(lease)  # the consumer's: counted as held until it lets go
+            if lease is not None:  # the consumer's: counted as held until it lets go
+                lease.forget_buffer()  # without keeping the segment mapped for it
+                self._let_go.append(lease)
             if seg is not None:
                 seg.close()
 
