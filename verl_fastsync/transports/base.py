@@ -115,10 +115,7 @@ def failure_reason(exc: BaseException, tensors: int | None = None) -> str:
         return str(exc)
     if isinstance(exc, GeneratorExit):
         after = "" if tensors is None else f" after {tensors} tensors"
-        return (
-            "the consumer stopped before the end of the sync (its receive stream was closed"
-            f"{after})"
-        )
+        return f"the consumer stopped before the end of the sync (its receive stream was closed{after})"
     if isinstance(exc, asyncio.CancelledError):
         return f"the consumer's task was cancelled{f' ({exc})' if str(exc) else ''}"
     return f"{type(exc).__name__}: {exc}"
