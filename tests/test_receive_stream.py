@@ -4,6 +4,7 @@ the destination device before a bucket is refilled or reused."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ig
 
 from verl_fastsync.chunks import Assembler, ChunkMeta
 from verl_fastsync.chunks.meta import dtype_to_str
-from verl_fastsync.transports.base import ConsumerError, consumer_error, failure_reason
+from verl_fastsync.io.control import ControlChannel
+from verl_fastsync.transports.base import ConsumerError, PeerAbortedError, consumer_error, failure_reason
+from verl_fastsync.transports.shm import ShmTransport
+from verl_fastsync.wire import Abort, Attached, SyncEnd, encode
 
 
 def test_a_closed_stream_names_the_consumer_not_pythons_close_mechanism() -> None:
@@ -86,3 +90,31 @@ def test_the_destination_fence_comes_before_every_bucket_release(transport: str)
     assert len(releases) == result["senders"][0]["metrics"]["fastsync/transfer/buckets"]
     for index in releases:
         assert index > 0 and events[index - 1] == "fence", events
+
+
+def test_a_sender_that_finds_its_receiver_gone_raises_the_abort_it_left() -> None:
+    """A receiver that fails posts its Abort, then closes its channel. zmq may report the closed
+    connection to a sender that is about to post a bucket before the sender read that Abort: the
+    sync must still fail with the receiver's reason, not "Host unreachable" (seen under load)."""
+    router, dealer = ControlChannel(), ControlChannel(linger_ms=5000)
+    try:
+        dealer.connect(router.bind(), routing_id=b"rollout-1")
+        dealer.send(encode(Attached(rank=1)))
+        assert router.recv(time.monotonic() + 30) is not None  # connected both ways
+        sender = ShmTransport()
+        sender.role, sender.rank = "trainer", 0
+        sender._channel, sender._peers = router, {b"rollout-1": 1}
+        dealer.send(encode(Abort(reason="the consumer failed: LoadError: boom", rank=1)))
+        dealer.close()
+        deadline = time.monotonic() + 30
+        with pytest.raises(
+            PeerAbortedError, match="rank 1 aborted the sync: the consumer failed: LoadError: boom"
+        ):
+            while time.monotonic() < deadline:  # posts succeed until the router sees the peer gone
+                sender._send_to(
+                    b"rollout-1", SyncEnd(sync_id="s", num_buckets=0, num_tensors=0, total_bytes=0)
+                )
+                time.sleep(0.01)
+    finally:
+        dealer.close()
+        router.close()

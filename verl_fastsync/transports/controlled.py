@@ -185,6 +185,8 @@ class ControlledTransport(BufferedTransport):
         try:
             self._channel.send(encode(message), ident)
         except zmq.ZMQError as exc:
+            # a peer that aborted sent its Abort before it closed: its reason, not "unreachable"
+            self._raise_pending_abort()
             who = "trainer rank 0" if ident is None else f"rollout rank {self._peers.get(ident, '?')}"
             raise TransportError(
                 f"{self.name} transport, {self.role} rank {self.rank}: cannot send "
@@ -287,6 +289,17 @@ class ControlledTransport(BufferedTransport):
                 origin = who if message.rank is None else f"rank {message.rank}"
                 raise self._abort_error(origin, message.reason)
             self._take_ack(message)
+
+    def _raise_pending_abort(self, grace_s: float = 0.2) -> None:
+        """A send found its peer gone: raise the :class:`PeerAbortedError` of an ``Abort`` it left,
+        read for at most ``grace_s`` (it precedes the disconnect on the same connection, but zmq
+        may report the disconnect first); return when there is none."""
+        end = time.monotonic() + grace_s
+        while True:
+            self._poll_control()
+            if time.monotonic() >= end:
+                return
+            time.sleep(0.005)
 
     def _on_ack(self, message: BucketAck) -> None:
         """Sender: one receiver acked the bucket now in ``message.slot`` (hook, e.g. for lending)."""
