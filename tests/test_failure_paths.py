@@ -152,6 +152,8 @@ def test_nixl_abort_is_read_while_the_sender_waits_for_a_write_over_tcp() -> Non
         assert "phase 'wait-write'" in trainer_error, trainer_error
         assert seconds < PROMPT_S, f"the trainer learned of the failure after {seconds:.1f}s"
         print(f"nixl over tcp: rollout failure -> trainer error in {seconds:.3f}s")
+        cluster.post(1, "exec", NIXL_TOUCHED)  # a WRITE may still land in its buffers: it keeps them
+        assert cluster.wait(1)["touched"]
         cluster.build_process_group()
         cluster.post(0, "send", model, 10, {})
         cluster.post(1, "exec", RECEIVE.format(kw="{}"))
@@ -159,6 +161,21 @@ def test_nixl_abort_is_read_while_the_sender_waits_for_a_write_over_tcp() -> Non
         cluster.wait(0)
         cluster.call_all("finalize")
         assert [tuple(d) for d in result["digests"]] == expected_digests(model, 10)
+        for rank in (0, 1):  # the clean sync proved the buffers free: released now, not kept until exit
+            cluster.post(rank, "exec", NIXL_TOUCHED)
+            assert cluster.wait(rank) == {"touched": False, "quarantined": 0}, rank
+            cluster.post(rank, "exec", NIXL_RELEASE)
+            assert cluster.wait(rank) == 0, f"rank {rank} kept its buffers until exit after a clean sync"
+
+
+NIXL_TOUCHED = (
+    "t = worker.engine.transport\nresult = {'touched': t._touched(), 'quarantined': t.quarantined_bytes}"
+)
+NIXL_RELEASE = (
+    "import verl_fastsync.transports.nixl as nixl\n"
+    "worker.engine.transport.release()\n"
+    "result = len(nixl._KEPT_UNTIL_EXIT)"
+)
 
 
 POOL_STATE = """
