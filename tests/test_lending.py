@@ -9,6 +9,8 @@ views of some tensors while later buckets arrive still reads exactly what was se
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -100,6 +102,41 @@ def test_destination_pool_reuses_memory_only_once_the_consumer_let_go() -> None:
     assert pool.free_bytes == 4000 + 3000  # three free buffers: the two largest are kept
     pool.clear()
     assert pool.free_bytes == 0
+
+
+@pytest.mark.timeout(60)  # a callback that blocked on the pool's lock would hang here
+def test_buffers_come_back_the_moment_the_consumer_lets_go() -> None:
+    """No take(), allocate() or reclaim() in between: when the consumer drops its last view the
+    lease settles by itself (also from another thread, also while the pool's lock is held, when it
+    queues and the next pool call settles it), spares stay at their bound and the rest is freed."""
+    pool = LendingPool(16, lambda size: torch.zeros(size, dtype=torch.uint8), keep_spares=1)
+    views: list[torch.Tensor] = []
+    alive: list[weakref.ref[torch.Tensor]] = []
+    for _ in range(5):
+        buffer = pool.take()
+        alive.append(weakref.ref(buffer))
+        lent, lease = pool.lend(buffer)
+        pool.loan(lease)
+        views.append(lent)
+        del buffer, lent, lease
+    assert pool.on_loan == 5 and pool.loaned_bytes == 80 and pool.spares == 0
+    views.pop()  # one lets go: it becomes the spare at once
+    assert pool.on_loan == 4 and pool.spares == 1
+    worker = threading.Thread(target=views.pop)  # dropped in another thread
+    worker.start()
+    worker.join()
+    assert pool.on_loan == 3 and pool.spares == 1
+    with pool._lock:  # the callback cannot take the lock: it queues and returns
+        views.clear()
+    assert pool.on_loan == 0 and pool.spares == 1
+    assert sum(ref() is not None for ref in alive) == 1  # four buffers were freed, one spare kept
+
+    dest = DestinationPool(keep=2)
+    cpu = torch.device("cpu")
+    tensors = [dest.allocate((n,), torch.uint8, cpu) for n in (1000, 4000, 2000, 3000)]
+    assert dest.loaned_bytes == 10000 and dest.free_bytes == 0
+    tensors.clear()
+    assert dest.loaned_bytes == 0 and dest.free_bytes == 4000 + 3000  # the two largest kept
 
 
 def _cluster(transport: str) -> Cluster:

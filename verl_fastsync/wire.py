@@ -151,6 +151,10 @@ class SyncEnd(_Base, tag="end"):
     num_buckets: int
     num_tensors: int
     total_bytes: int
+    dropped: list[str] = msgspec.field(default_factory=list)
+    """Buffers the sender stopped using at the end of the sync (shm: segments beyond its slots and
+    spare, including those a consumer still holds): receivers unmap them, so their memory is freed
+    the moment the consumer lets go instead of staying mapped until the next sync."""
 
 
 class Abort(_Base, tag="abort"):

@@ -35,6 +35,7 @@ from verl_fastsync.chunks.meta import (
     copy_bytes,
     str_to_dtype,
 )
+from verl_fastsync.io.fence import DeviceFence
 
 __all__ = ["Allocate", "Assembler", "aassemble", "assemble", "bucket_chunk_views"]
 
@@ -115,6 +116,9 @@ class Assembler:
         self.num_tensors = 0
         self.num_chunks = 0
         self.total_bytes = 0
+        self.fence = DeviceFence()
+        """Every device a copy out of a received chunk touched (copies involving a device are
+        issued non-blocking): ``fence.wait()`` before the bucket they read is refilled or reused."""
 
     def _validate(self, meta: ChunkMeta, data: torch.Tensor) -> torch.dtype:
         # ``schema_version`` defaults to the current version for a ChunkMeta built in this process, so
@@ -186,6 +190,7 @@ class Assembler:
                 self.allocated_bytes += meta.total_bytes
                 if meta.total_bytes:
                     copy_bytes(byte_view(out), data)
+                    self.fence.note(out, data)
                 return [(name, out)]
             tensor = self._allocate(tuple(meta.shape), dtype, self.device)
             self.allocated_bytes += meta.total_bytes
@@ -218,6 +223,7 @@ class Assembler:
             )
         pending.intervals.insert(pos, (start, end))
         copy_bytes(pending.buffer[start:end], data)
+        self.fence.note(pending.buffer, data)
         pending.received += end - start
         if pending.received < meta.total_bytes:
             return []

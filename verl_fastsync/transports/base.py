@@ -41,6 +41,7 @@ buckets of views to a transport cannot own the bytes).
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import socket
 from abc import ABC, abstractmethod
@@ -55,6 +56,7 @@ from verl_fastsync.limits import DEFAULT_TIMEOUT_S, validate_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "ConsumerError",
     "EngineTransport",
     "EngineTransportFactory",
     "LazyTransportClass",
@@ -66,7 +68,9 @@ __all__ = [
     "TransportTimeoutError",
     "allocate_bucket_buffers",
     "base_topology",
+    "consumer_error",
     "default_host",
+    "failure_reason",
 ]
 
 
@@ -95,6 +99,34 @@ class TransportTimeoutError(TransportError, TimeoutError):
 
 class PeerAbortedError(TransportError):
     """The peer reported a failure (its reason is in the message)."""
+
+
+class ConsumerError(TransportError):
+    """Thrown into a receive stream by whoever drives it (the plugin's wrapper around verl's
+    ``update_weights``) when the consumer failed or stopped: the stream fails the sync with this text
+    as the reason every other side sees."""
+
+
+def failure_reason(exc: BaseException, tensors: int | None = None) -> str:
+    """The reason a side sends its peers for ``exc``. A receive stream closed without an error
+    (``GeneratorExit``: the consumer stopped iterating, or the stream was garbage-collected) says so
+    in words instead of naming Python's close mechanism."""
+    if isinstance(exc, ConsumerError):
+        return str(exc)
+    if isinstance(exc, GeneratorExit):
+        after = "" if tensors is None else f" after {tensors} tensors"
+        return f"the consumer stopped before the end of the sync (its receive stream was closed{after})"
+    if isinstance(exc, asyncio.CancelledError):
+        return f"the consumer's task was cancelled{f' ({exc})' if str(exc) else ''}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def consumer_error(exc: BaseException | None, tensors: int | None = None) -> ConsumerError:
+    """What to throw into a receive stream whose consumer raised ``exc`` (``None``: it returned
+    before the stream ended)."""
+    if exc is None:
+        return ConsumerError(failure_reason(GeneratorExit(), tensors))
+    return ConsumerError(f"the consumer failed: {failure_reason(exc, tensors)}")
 
 
 @dataclass
@@ -142,6 +174,10 @@ class TransferStats:
     copied_bytes: int = 0
     """Receiver: bytes copied out of its buckets into memory of their own (tensors split over several
     buckets, buckets that could not be lent); 0 when every tensor was lent."""
+    held_bytes: int = 0
+    """Receiver: bytes of this side's buffers the consumer still referenced when the sync ended (lent
+    buckets and split-tensor buffers). Not in ``peak_extra_bytes`` (they are the consumer's tensors);
+    they go back to the transport, or are freed, the moment the consumer drops them."""
 
     @property
     def gbps(self) -> float:
@@ -150,7 +186,14 @@ class TransferStats:
 
     def as_metrics(self, prefix: str = "fastsync/transfer") -> dict[str, float]:
         side = "sender" if self.role == "sender" else "receiver"
-        extra = {f"{prefix}/copied_bytes_receiver": float(self.copied_bytes)} if side == "receiver" else {}
+        extra = (
+            {
+                f"{prefix}/copied_bytes_receiver": float(self.copied_bytes),
+                f"{prefix}/consumer_held_bytes_receiver": float(self.held_bytes),
+            }
+            if side == "receiver"
+            else {}
+        )
         return extra | {
             f"{prefix}/bytes": float(self.bytes),
             f"{prefix}/buckets": float(self.buckets),

@@ -30,8 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from verl_fastsync.chunks import Allocate, Assembler, bucket_chunk_views
-from verl_fastsync.io.lending import DestinationPool, Lease, LendingPool, lend
-from verl_fastsync.transports.base import TransferStats, TransportError, allocate_bucket_buffers
+from verl_fastsync.io.lending import DestinationPool, Lease, LendingPool
+from verl_fastsync.transports.base import (
+    TransferStats,
+    TransportError,
+    allocate_bucket_buffers,
+    failure_reason,
+)
 from verl_fastsync.transports.lifecycle import InFlight
 from verl_fastsync.transports.sending import SendingTransport
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
@@ -57,6 +62,8 @@ class BufferedTransport(SendingTransport):
 
     _lending_pool: LendingPool | None = None
     _destinations: DestinationPool | None = None
+    _open_stream: tuple[int, Lease | None] | None = None
+    """The receive stream of the current sync until it ends: the slot and lease it has out now."""
 
     @abstractmethod
     def _receiver_buffer(self, slot: int) -> torch.Tensor: ...
@@ -97,7 +104,6 @@ class BufferedTransport(SendingTransport):
         """Before ``slot`` is released: if the consumer still references its buffer, the buffer stays
         with the consumer and the slot receives into a spare from now on."""
         pool = self._spare_pool()
-        pool.reclaim()
         if lease.active:
             pool.loan(lease)
             self._swap_receive_buffer(slot, pool.take())
@@ -134,12 +140,63 @@ class BufferedTransport(SendingTransport):
         super()._safe_close()
         self._destinations = None  # a failed sync or release(): free everything
 
+    def _lend_bucket(self, slot: int, buffer: torch.Tensor) -> tuple[torch.Tensor, Lease]:
+        """Lend ``buffer`` (the bucket now in ``slot``). Default: through the spare pool, so that a
+        buffer the consumer lets go of after its slot moved on returns to the pool at once."""
+        return self._spare_pool().lend(buffer)
+
+    def _held_bytes(self) -> int:
+        """Bytes of this side's buffers the consumer references now (lent, not yet returned)."""
+        pool, dest = self._lending_pool, self._destinations
+        return (pool.loaned_bytes if pool is not None else 0) + (dest.loaned_bytes if dest is not None else 0)
+
+    def _fence_bucket(self, assembler: Assembler, buffer: torch.Tensor) -> None:
+        """Every copy out of ``buffer`` is complete: those into device destinations (issued
+        non-blocking, see :attr:`Assembler.fence`) and any on the bucket's own device."""
+        assembler.fence.wait()
+        self._device_sync(buffer)
+
+    def _check_generation(self, generation: int) -> None:
+        if self.sync_generation != generation:
+            raise TransportError(
+                f"{self.name} transport, rollout rank {self.rank}: this receive stream belongs to a "
+                "sync that has ended (finalize or a new init_process_group ran since it started); "
+                "iterate the stream of the current sync"
+            )
+
+    def _end_open_stream(self) -> None:
+        """A new sync starts, or this one is finalized, while the last receive stream never reached
+        its end and nobody closed it: it failed. Keep what the consumer may still hold away from the
+        next sync, tell the sender, free the per-sync state (a stream finalized later touches
+        nothing: its generation is over)."""
+        open_stream, self._open_stream = self._open_stream, None
+        if open_stream is None:
+            return
+        slot, lease = open_stream
+        if lease is not None and lease.active:
+            try:
+                self._settle(slot, lease)
+            except Exception:  # pragma: no cover - best effort
+                pass
+        reason = "the rollout's receive stream was left open when the sync ended (nobody closed it)"
+        self.abort_receive(reason)
+
+    def abort_receive(self, reason: str) -> None:
+        """Fail this rank's part of the current sync without a receive stream (e.g. the consumer
+        failed before it asked for the first tensor): tell the sender ``reason`` at once."""
+        try:
+            self._post_abort(Abort(reason=reason, rank=self.rank))
+        except Exception:  # pragma: no cover - best effort
+            pass
+        self._safe_close()
+
     async def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.rank is None or self.rank < 1:
             raise TransportError(
                 f"{self.name} transport: receive() on rank {self.rank}; only rollout ranks receive "
                 "(call init_process_group first)"
             )
+        generation = self.sync_generation
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastsync-{self.name}")
         loop = asyncio.get_running_loop()
@@ -158,14 +215,18 @@ class BufferedTransport(SendingTransport):
         executor = self._executor
         pending: concurrent.futures.Future[BucketReady | SyncEnd] | None = None
         expected = 0
+        yielded = 0
         lease: Lease | None = None  # the bucket lent now, until its slot is settled
         lent_slot = 0
+        buffer: torch.Tensor | None = None
+        self._open_stream = (0, None)
         try:
             self.inflight = InFlight(phase="wait-bucket", bucket=0)
             pending = executor.submit(self._recv_next)
             while True:
                 message = await asyncio.wrap_future(pending, loop=loop)
                 pending = None
+                self._check_generation(generation)
                 if isinstance(message, SyncEnd):
                     self.inflight.phase = "end"
                     assembler.finish()
@@ -196,8 +257,9 @@ class BufferedTransport(SendingTransport):
                 self.inflight.phase = "assemble"
                 self.inflight.bucket = message.bucket_index
                 if lending and buffer.device.type == "cpu" and self._can_lend(message.slot):
-                    lent, lease = lend(buffer)
+                    lent, lease = self._lend_bucket(message.slot, buffer)
                     lent_slot = message.slot
+                    self._open_stream = (lent_slot, lease)
                     view = lent[: message.nbytes]
                     del lent
                 else:
@@ -218,6 +280,8 @@ class BufferedTransport(SendingTransport):
                         yield item
                         # drop our reference: the consumer alone decides how long a tensor lives
                         del item
+                        yielded += 1
+                        self._check_generation(generation)
                         self.inflight.phase = "assemble"
                     if assembler.incomplete:
                         self.inflight.tensor = assembler.incomplete[0]
@@ -225,11 +289,12 @@ class BufferedTransport(SendingTransport):
                 stats.buckets += 1
                 stats.buffer_bytes = max(stats.buffer_bytes, self._buffer_bytes())
                 stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
-                self._device_sync(buffer)  # non-blocking copies out of the slot are done
-                del buffer
+                self._fence_bucket(assembler, buffer)  # before the slot can be refilled or reused
+                buffer = None
                 if lease is not None:
                     self._settle(message.slot, lease)
                     lease = None
+                    self._open_stream = (0, None)
                 self._release_slot(message.slot, message.bucket_index)
                 if pending is None:
                     self.inflight.phase = "wait-bucket"
@@ -238,6 +303,16 @@ class BufferedTransport(SendingTransport):
                 else:
                     self.inflight.phase = "wait-bucket"
         except BaseException as exc:
+            if self.sync_generation != generation:
+                # a stream of an ended sync (closed or garbage-collected late): the transport now
+                # belongs to another sync; whatever this one held was settled when it ended
+                raise
+            self._open_stream = None
+            if buffer is not None:
+                try:
+                    self._fence_bucket(assembler, buffer)
+                except Exception:  # pragma: no cover - best effort
+                    pass
             if lease is not None and lease.active:
                 # the consumer may keep what it got before the failure, and a transport may keep its
                 # buffers for the next sync (nixl, when a WRITE can still land): never refill this one
@@ -246,7 +321,7 @@ class BufferedTransport(SendingTransport):
                 except Exception:  # pragma: no cover - best effort
                     pass
             try:
-                self._post_abort(Abort(reason=f"{type(exc).__name__}: {exc}", rank=self.rank))
+                self._post_abort(Abort(reason=failure_reason(exc, yielded), rank=self.rank))
             except Exception:  # pragma: no cover - best effort
                 pass
             if pending is not None and not pending.cancel():
@@ -255,8 +330,10 @@ class BufferedTransport(SendingTransport):
                     concurrent.futures.wait([pending], timeout=self.options.timeout_s)
             self._safe_close()
             raise
+        self._open_stream = None
         stats.tensors = assembler.num_tensors
         stats.copied_bytes = assembler.allocated_bytes
         stats.seconds = time.perf_counter() - start
         stats.peak_extra_bytes = stats.buffer_bytes + assembler.peak_in_progress_bytes
+        stats.held_bytes = self._held_bytes()
         self.inflight = InFlight()

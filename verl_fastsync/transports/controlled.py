@@ -185,6 +185,8 @@ class ControlledTransport(BufferedTransport):
         try:
             self._channel.send(encode(message), ident)
         except zmq.ZMQError as exc:
+            # a peer that aborted sent its Abort before it closed: its reason, not "unreachable"
+            self._raise_pending_abort()
             who = "trainer rank 0" if ident is None else f"rollout rank {self._peers.get(ident, '?')}"
             raise TransportError(
                 f"{self.name} transport, {self.role} rank {self.rank}: cannot send "
@@ -262,11 +264,42 @@ class ControlledTransport(BufferedTransport):
         while len(self._slot_acks[slot]) < self.receivers:
             missing = sorted(set(self._peers.values()) - self._slot_acks[slot])
             _, message = self._recv_msg(deadline, f"rollout rank(s) {missing}", f"ack of bucket {bucket}")
-            if isinstance(message, BucketAck) and 0 <= message.slot < self.slots:
-                if self._slot_bucket[message.slot] == message.bucket_index:
-                    self._slot_acks[message.slot].add(message.rank)
-                    self._on_ack(message)
+            self._take_ack(message)
         self._slot_bucket[slot] = None
+
+    def _take_ack(self, message: Message) -> None:
+        """Sender: count ``message`` if it is an ack of the bucket now held in its slot."""
+        if isinstance(message, BucketAck) and 0 <= message.slot < self.slots:
+            if self._slot_bucket[message.slot] == message.bucket_index:
+                self._slot_acks[message.slot].add(message.rank)
+                self._on_ack(message)
+
+    def _poll_control(self) -> None:
+        """Sender, inside a wait that is not for a control message (e.g. a WRITE): read what the
+        receivers sent without blocking, so that an ``Abort`` fails the wait at once with the
+        receiver's reason (raises :class:`PeerAbortedError`) and acks are not left unread."""
+        channel = self._channel
+        if channel is None or not channel.is_open:
+            return
+        while (got := channel.recv_nowait()) is not None:
+            ident, data = got
+            who = f"rollout rank {self._peers.get(ident, '?')}" if ident is not None else "peer"
+            message = decode(data, peer=who)
+            if isinstance(message, Abort):
+                origin = who if message.rank is None else f"rank {message.rank}"
+                raise self._abort_error(origin, message.reason)
+            self._take_ack(message)
+
+    def _raise_pending_abort(self, grace_s: float = 0.2) -> None:
+        """A send found its peer gone: raise the :class:`PeerAbortedError` of an ``Abort`` it left,
+        read for at most ``grace_s`` (it precedes the disconnect on the same connection, but zmq
+        may report the disconnect first); return when there is none."""
+        end = time.monotonic() + grace_s
+        while True:
+            self._poll_control()
+            if time.monotonic() >= end:
+                return
+            time.sleep(0.005)
 
     def _on_ack(self, message: BucketAck) -> None:
         """Sender: one receiver acked the bucket now in ``message.slot`` (hook, e.g. for lending)."""

@@ -277,6 +277,9 @@ class GlooTransport(BufferedTransport):
         self._synced = False
 
     def _wrap(self, exc: BaseException, peer: str) -> TransportError:
+        aborted = self._peer_abort()
+        if aborted is not None:
+            return aborted
         text = str(exc)
         if "imed out" in text or "timeout" in text.lower():
             return self._timeout_error(peer, text.splitlines()[0] if text else "")
@@ -284,6 +287,28 @@ class GlooTransport(BufferedTransport):
             f"gloo transport, {self.role} rank {self.rank}: {type(exc).__name__} talking to {peer}: "
             f"{text.splitlines()[0] if text else ''}; {self.inflight.describe()}"
         )
+
+    def _abort_key(self, rank: int) -> str:
+        epoch = self._key[0] if self._key is not None else "?"
+        return f"{_PREFIX}-abort/{epoch}/{rank}"
+
+    def _peer_abort(self) -> TransportError | None:
+        """Sender: the reason a receiver left its ``Abort`` under on the store before it left the
+        group (its sockets then close, and this side's broadcast fails at once), as the error."""
+        store = self._store
+        if self.rank != 0 or store is None or self._key is None:
+            return None
+        for rank in range(1, self.world_size):
+            key = self._abort_key(rank)
+            try:
+                if not store.check([key]):
+                    continue
+                message = decode(store.get(key), peer=f"rollout rank {rank}")
+            except Exception:  # pragma: no cover - the store went away: no reason to give
+                return None
+            if isinstance(message, Abort):
+                return self._abort_error(f"rollout rank {rank}", message.reason)
+        return None
 
     def _broadcast(self, tensor: torch.Tensor, deadline: float | None = None) -> Any:
         """Post one broadcast. gloo gives up on it ``timeout_s`` after it starts, or at ``deadline``:
@@ -303,13 +328,13 @@ class GlooTransport(BufferedTransport):
         budget shared with the other waits of the group, never a fresh ``timeout_s`` per work."""
         remaining = deadline - time.monotonic()
         if remaining <= 0 and not work.is_completed():
-            raise self._timeout_error(peer)
+            raise self._peer_abort() or self._timeout_error(peer)
         try:
             ok = work.wait(datetime.timedelta(seconds=max(remaining, _MIN_WAIT_S)))
         except RuntimeError as exc:
             raise self._wrap(exc, peer) from exc
         if ok is False:
-            raise self._timeout_error(peer)
+            raise self._peer_abort() or self._timeout_error(peer)
 
     # -- sender ------------------------------------------------------------------------------
 
@@ -354,8 +379,17 @@ class GlooTransport(BufferedTransport):
         self._synced = True
 
     def _post_abort(self, message: Abort) -> None:
-        if self.rank != 0 or self._pg is None:
-            return  # receivers leave the group on close; the sender then fails fast
+        if self.rank != 0:
+            # a receiver leaves the group on close and the sender's broadcasts then fail at once;
+            # the reason goes on the store first, where the sender looks when they fail
+            if self._store is not None and self._key is not None and self.rank is not None:
+                try:
+                    self._store.set(self._abort_key(self.rank), encode(message))
+                except Exception:  # pragma: no cover - best effort: the store is the sender's
+                    pass
+            return
+        if self._pg is None:
+            return
         deadline = self._deadline()  # the whole abort path: one timeout_s, however much is pending
         try:
             for slot in (0, 1):

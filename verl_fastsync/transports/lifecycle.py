@@ -67,6 +67,10 @@ class TransportCore(EngineTransport):
         """Bucket buffers the sender fills in turn (bucket ``k`` goes to slot ``k % slots``)."""
         self.inflight = InFlight()
         self._stats: TransferStats | None = None
+        self.sync_generation = 0
+        """Bumped when a sync starts (``init_process_group``) and when it ends (``finalize``): a
+        receive stream acts on the transport only while the generation it started in is current, so
+        a stream of an earlier sync closed or garbage-collected later touches nothing."""
         self._executor: ThreadPoolExecutor | None = None
 
     def _configured_slots(self) -> int:
@@ -95,6 +99,8 @@ class TransportCore(EngineTransport):
         return {}
 
     def init_process_group(self, **kwargs: Any) -> None:
+        self._end_open_stream()
+        self.sync_generation += 1
         rank = kwargs.pop("rank")
         world_size = kwargs.pop("world_size")
         role = kwargs.pop("role", "trainer" if rank <= 0 else "rollout")
@@ -119,6 +125,8 @@ class TransportCore(EngineTransport):
         """End of one sync (verl calls it after every sync): close what is per sync. Resources a
         transport keeps for the next sync (see :meth:`_end_sync`) stay; a failed sync already freed
         everything."""
+        self._end_open_stream()
+        self.sync_generation += 1
         self._safe_end_sync()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -129,6 +137,10 @@ class TransportCore(EngineTransport):
         """Free everything now, including what a transport keeps between syncs (idempotent)."""
         self.finalize()
         self._safe_close()
+
+    def _end_open_stream(self) -> None:
+        """A sync ends or a new one starts: fail a receive stream of this side that never ended
+        (hook; see :class:`~verl_fastsync.transports.buffered.BufferedTransport`)."""
 
     def _end_sync(self) -> None:
         """What ``finalize`` closes; default: everything (:meth:`_close`). A transport that keeps

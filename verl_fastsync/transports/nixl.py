@@ -32,10 +32,18 @@ and their registration therefore live as long as the transport, not one sync (``
 control channel only; the next sync reuses them). A receiver whose sync failed mid-way (its consumer
 raised, a checksum failed, it timed out) keeps them: the sender may be in the middle of a WRITE into
 them right now. Freeing them there let a late WRITE overwrite whatever glibc had put in that memory
-since (heap corruption: ``corrupted double-linked list``). They are reused by the next sync (whose
-``Welcome`` proves the sender is past every WRITE of the failed one) and freed by :meth:`release`
-only after a clean sync. A transport released while a peer may still write keeps them alive until
-the process exits (logged, two buckets); so does a sender whose WRITE timed out.
+since (heap corruption: ``corrupted double-linked list``). They are reused by the next sync, whose
+``Welcome`` the sender sends only once every WRITE it abandoned towards that receiver left NIXL's
+in-progress state (:mod:`verl_fastsync.transports.nixl_writes`; bounded by ``timeout_s``, else the
+new sync fails naming the ranks). Buffers that must be replaced while a WRITE may still touch them
+(the bucket size changed after a failed sync) are *quarantined*: kept registered, unused, and freed
+by the first clean sync after it (receiver) or once the abandoned WRITEs settled (sender). Only a
+transport released while that is still pending keeps them until the process exits (logged).
+
+**Failures reach the sender at once.** Every wait of the sender, the wait for a WRITE included, also
+reads the control channel, so a receiver's ``Abort`` fails the sync with the receiver's reason even
+while a WRITE into that receiver cannot complete (over UCX/TCP a WRITE completes only while its
+target progresses, and a failed receiver stops progressing).
 """
 
 from __future__ import annotations
@@ -47,13 +55,13 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from verl_fastsync.io.lending import Lease
+from verl_fastsync.io.lending import Lease, lend
 from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers
+from verl_fastsync.transports.nixl_writes import BucketWrite, WriteFailedError, Writes
 from verl_fastsync.transports.tcp import TcpControlledTransport
 from verl_fastsync.wire import BucketAck, BucketReady, Message, PeerBuffers, Welcome
 
@@ -63,17 +71,7 @@ log = logging.getLogger(__name__)
 
 # Buffers (with their registration and agent) that a peer may still WRITE into when their transport
 # was released: kept alive until the process exits instead of handing the memory back to the heap.
-_KEPT_UNTIL_EXIT: list[tuple[Any, Any, list[torch.Tensor]]] = []
-
-
-@dataclass
-class _Write:
-    """A bucket's WRITEs, started and not yet seen complete (its ``BucketReady`` waits for them)."""
-
-    slot: int
-    message: BucketReady
-    handles: list[tuple[bytes, Any]]
-    deadline: float
+_KEPT_UNTIL_EXIT: list[tuple[Any, ...]] = []
 
 
 class NixlTransport(TcpControlledTransport):
@@ -104,9 +102,11 @@ class NixlTransport(TcpControlledTransport):
         self._slot_buf: list[int] = [0, 1]
         self._lent: dict[int, Lease] = {}
         self._next_address = 0
-        # a remote WRITE into (receiver) or out of (sender) our buffers may still be in flight
+        # receiver: the sender may WRITE into our buffers (from our Hello until a clean SyncEnd)
         self._peer_may_write = False
-        self._write: _Write | None = None  # sender: the WRITEs in flight
+        self._writes = Writes()  # sender: the bucket's WRITEs in flight, and abandoned ones
+        # buffer sets replaced while a WRITE may still touch them: (registration, buffers)
+        self._quarantine: list[tuple[Any, list[torch.Tensor]]] = []
 
     def _buffer_bytes(self) -> int:
         """The registered buckets: two slots, and on a lending receiver the spares."""
@@ -151,7 +151,8 @@ class NixlTransport(TcpControlledTransport):
             and self._reg is not None
         ):
             return
-        self._drop_buffers(final=True)
+        self._settle_abandoned_now()
+        self._retire_buffers()
         self._bufs = allocate_bucket_buffers(self.bucket_size, device, count=count)
         self._reg = agent.register_memory(self._bufs)
         self._slot_buf = [0, 1]
@@ -214,9 +215,37 @@ class NixlTransport(TcpControlledTransport):
         self._complete_write(block=False)  # the sender, waiting for acks: announce a bucket landed
 
     def _receive_done(self) -> None:
-        # SyncEnd is sent only after every WRITE of the sync completed: nothing is in flight now
+        # SyncEnd is sent only after every WRITE of the sync completed, and the sync's Welcome only
+        # after every WRITE abandoned towards us settled: nothing can be in flight now
         self._peer_may_write = False
+        self._free_quarantine()
         super()._receive_done()
+
+    def _before_welcome(self) -> None:
+        """Sender: no WRITE a failed sync abandoned towards this sync's receivers may still move
+        when they hear ``Welcome`` (they reuse the buffers it targets). They progress it while they
+        wait; bounded by ``timeout_s``."""
+        if not self._writes.abandoned:
+            return
+        agents = set(self._remote_names.values())
+        moving = self._writes.settle(self._agent, self._deadline(), agents)
+        if moving:
+            ranks = sorted(self._peers[i] for i, name in self._remote_names.items() if name in moving)
+            raise TransportError(
+                f"nixl transport, {self.role} rank {self.rank}: WRITEs that the failed previous sync "
+                f"abandoned towards rollout rank(s) {ranks} are still in progress after "
+                f"{self.options.timeout_s:g}s; a new sync cannot start while one may still land in "
+                "their buffers"
+            )
+        self._settle_abandoned_now()
+
+    def _settle_abandoned_now(self) -> None:
+        """Sender: release the abandoned WRITEs that are over (one check, no wait); once none is
+        left, the quarantined buffers are free."""
+        if self._writes.abandoned and self._agent is not None:
+            self._writes.settle(self._agent, time.monotonic())
+        if self._writes.idle:
+            self._free_quarantine()
 
     def _end_sync(self) -> None:
         self._close_channel()  # the registered buffers stay for the next sync
@@ -224,52 +253,78 @@ class NixlTransport(TcpControlledTransport):
         self._remote_names = {}
         self._slot_addrs = {}
 
+    def _touched(self) -> bool:
+        """A remote WRITE may still land in (receiver) or read from (sender) our buffers."""
+        return self._peer_may_write or not self._writes.idle
+
     def _release_buffers(self) -> None:
-        """Failed sync: the control channel closes; the buffers stay (see the module docstring)
-        and are freed here only when no WRITE can be in flight."""
+        """Failed sync: the control channel closes; the buffers stay while a WRITE may touch them
+        (the next sync reuses them, see the module docstring), else they are freed."""
         self._remote = {}
         self._remote_names = {}
         self._slot_addrs = {}
-        if not self._peer_may_write:
-            self._drop_buffers(final=False)
+        if not self._touched():
+            self._retire_buffers()
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes of buffer sets kept registered and unused until no WRITE can touch them."""
+        return sum(b.numel() for _reg, bufs in self._quarantine for b in bufs)
 
     def release(self) -> None:
         super().release()
-        self._drop_buffers(final=True)
-
-    def _drop_buffers(self, final: bool) -> None:
-        """Deregister and free the buffers; when a peer may still WRITE, keep them alive until the
-        process exits instead (``final``) or for the next sync to reuse (not ``final``)."""
-        if not self._bufs:
-            return
-        if self._peer_may_write:
-            if not final:
-                return
-            kept = sum(b.numel() for b in self._bufs)
+        self._settle_abandoned_now()
+        if self._touched() and (self._bufs or self._quarantine):
+            kept = sum(b.numel() for b in self._bufs) + self.quarantined_bytes
             log.warning(
-                "nixl transport, %s rank %s: released while its peer may still WRITE into its "
-                "buffers (the last sync failed mid-transfer); keeping %d bytes alive until the "
-                "process exits instead of freeing memory a late WRITE could overwrite",
+                "nixl transport, %s rank %s: released while a WRITE of a failed sync may still touch "
+                "its buffers; keeping %d bytes alive until the process exits instead of freeing "
+                "memory a late WRITE could overwrite",
                 self.role,
                 self.rank,
                 kept,
             )
-            _KEPT_UNTIL_EXIT.append((self._agent, self._reg, self._bufs))
+            _KEPT_UNTIL_EXIT.append((self._agent, self._reg, self._bufs, self._quarantine, self._writes))
+            self._quarantine = []
+            self._writes = Writes()
+            self._forget_buffers()
         else:
-            agent = self._agent
-            if agent is not None and self._reg is not None:
-                # Remote agents stay added for the agent's lifetime: NIXL/UCX keep a removed agent's
-                # endpoint (and its socket) open, so removing it after every sync leaked one fd per
-                # sync on each side. The next handshake re-adds the same metadata, which NIXL accepts.
-                try:
-                    agent.deregister_memory(self._reg)
-                except Exception:  # pragma: no cover - best effort
-                    pass
+            self._retire_buffers()
+            self._free_quarantine()
+        self._peer_may_write = False
+
+    def _retire_buffers(self) -> None:
+        """This buffer set is done with: freed, or quarantined while a WRITE may still touch it."""
+        if not self._bufs:
+            return
+        if self._touched():
+            self._quarantine.append((self._reg, self._bufs))
+        else:
+            self._deregister(self._reg)
+        self._forget_buffers()
+
+    def _forget_buffers(self) -> None:
         self._reg = None
         self._bufs = []
-        self._peer_may_write = False
         self._slot_buf = [0, 1]
         self._lent = {}
+
+    def _free_quarantine(self) -> None:
+        """No WRITE can touch the quarantined buffers any more: deregister and free them."""
+        quarantine, self._quarantine = self._quarantine, []
+        for reg, _bufs in quarantine:
+            self._deregister(reg)
+
+    def _deregister(self, reg: Any) -> None:
+        # Remote agents stay added for the agent's lifetime: NIXL/UCX keep a removed agent's endpoint
+        # (and its socket) open, so removing it after every sync leaked one fd per sync on each side.
+        # The next handshake re-adds the same metadata, which NIXL accepts.
+        agent = self._agent
+        if agent is not None and reg is not None:
+            try:
+                agent.deregister_memory(reg)
+            except Exception:  # pragma: no cover - best effort
+                pass
 
     # -- data path ---------------------------------------------------------------------------
 
@@ -286,6 +341,13 @@ class NixlTransport(TcpControlledTransport):
             if not lease.active:
                 del self._lent[index]
         return [i for i in range(len(self._bufs)) if i not in self._slot_buf and i not in self._lent]
+
+    def _lend_bucket(self, slot: int, buffer: torch.Tensor) -> tuple[torch.Tensor, Lease]:
+        return lend(buffer)  # registered buffers never go back to the heap: only their use is tracked
+
+    def _held_bytes(self) -> int:
+        self._free_spares()  # forgets leases that ended
+        return len(self._lent) * self.bucket_size + super()._held_bytes()
 
     def _can_lend(self, slot: int) -> bool:
         return bool(self._free_spares())  # so that a slot still referenced at the ack can move
@@ -329,27 +391,29 @@ class NixlTransport(TcpControlledTransport):
         self._complete_write(block=False)  # each check also progresses UCX
 
     def _wait_slot_free(self, slot: int) -> None:
-        write = self._write
+        write = self._writes.current
         if write is not None and write.slot == slot:
             self._complete_write(block=True)  # its receivers cannot ack what was never announced
         super()._wait_slot_free(slot)
 
     def _post_end(self, message: Any) -> None:
         self._complete_write(block=True)
+        self._settle_abandoned_now()
         super()._post_end(message)
 
     def _post_abort(self, message: Any) -> None:
-        self._abandon_write()
-        super()._post_abort(message)
+        super()._post_abort(message)  # the receivers hear of it first
+        self._writes.abandon()
 
     @contextlib.contextmanager
     def _nixl_errors(self, message: BucketReady) -> Iterator[None]:
-        """A failure while a bucket's WRITEs may be moving abandons them (the buffers are then not
-        freed); an error of NIXL's own types becomes a :class:`TransportError` naming the bucket."""
+        """A failure while a bucket's WRITEs may be moving abandons them (their handles are kept
+        and progressed later, the buffers are not freed); an error of NIXL's own types becomes a
+        :class:`TransportError` naming the bucket."""
         try:
             yield
         except BaseException as exc:
-            self._abandon_write()
+            self._writes.abandon()
             if isinstance(exc, TransportError) or not isinstance(exc, Exception):
                 raise
             raise TransportError(
@@ -360,8 +424,8 @@ class NixlTransport(TcpControlledTransport):
 
     def _start_write(self, slot: int, message: BucketReady) -> None:
         nbytes = message.nbytes
-        handles: list[tuple[bytes, Any]] = []
-        self._write = _Write(slot, message, handles, self._deadline())
+        write = BucketWrite(slot, message, self._deadline())
+        self._writes.current = write
         if not nbytes:
             return
         agent = self._agent
@@ -371,7 +435,7 @@ class NixlTransport(TcpControlledTransport):
             where = [(self._slot_addrs[ident][slot], nbytes, peer.device_id)]
             remote = agent.get_xfer_descs(where, peer.mem_type)
             handle = agent.initialize_xfer("WRITE", local, remote, self._remote_names[ident])
-            handles.append((ident, handle))
+            write.handles.append((ident, self._remote_names[ident], handle))
             if agent.transfer(handle) == "ERR":
                 raise TransportError(
                     f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
@@ -381,50 +445,32 @@ class NixlTransport(TcpControlledTransport):
 
     def _complete_write(self, block: bool) -> None:
         """Announce the bucket in flight once every WRITE of it completed (``block``: wait for that,
-        at most ``timeout_s`` from its start); raise when one failed or timed out."""
-        write = self._write
+        at most ``timeout_s`` from its start, reading the control channel meanwhile so that a
+        receiver's ``Abort`` fails the wait at once); raise when one failed or timed out."""
+        write = self._writes.current
         if write is None:
             return
         with self._nixl_errors(write.message):
             while True:
-                pending = []
-                for ident, handle in write.handles:
-                    state = self._agent.check_xfer_state(handle)
-                    if state == "ERR":
-                        raise TransportError(
-                            f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
-                            f"{write.message.bucket_index} to rollout rank {self._peers.get(ident, '?')} "
-                            f"failed; {self.inflight.describe()}"
-                        )
-                    if state != "DONE":
-                        pending.append(ident)
+                try:
+                    pending = self._writes.pending(self._agent)
+                except WriteFailedError as exc:
+                    raise TransportError(
+                        f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
+                        f"{write.message.bucket_index} to rollout rank {self._peers.get(exc.ident, '?')} "
+                        f"failed; {self.inflight.describe()}"
+                    ) from None
                 if not pending:
                     break
                 if not block:
                     return
                 self.inflight.phase = "wait-write"
+                self._poll_control()
                 if time.monotonic() > write.deadline:
                     ranks = sorted(self._peers.get(i, -1) for i in pending)
                     raise self._timeout_error(
                         f"rollout rank(s) {ranks}", f"WRITE of bucket {write.message.bucket_index}"
                     )
                 time.sleep(0.0002)  # check_xfer_state progresses UCX; don't spin a core
-        self._write = None
-        self._release_handles(write)
+        self._writes.finish(self._agent)
         super()._post_bucket(write.slot, write.message)
-
-    def _release_handles(self, write: _Write) -> None:
-        for _ident, handle in write.handles:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception:  # pragma: no cover - best effort
-                pass
-
-    def _abandon_write(self) -> None:
-        """A failed sync with WRITEs in flight: UCX may still read our buffer (and write theirs), so
-        neither side may free it now."""
-        write, self._write = self._write, None
-        if write is not None:
-            if write.handles:
-                self._peer_may_write = True
-            self._release_handles(write)

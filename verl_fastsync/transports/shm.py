@@ -32,8 +32,11 @@ socket. Same host only (trainer rank 0 and every rollout rank).
   the last tensor of the bucket it just finished in its loop variable, so in steady state three
   segments rotate between the two slots: no copy out, and no byte changes under a consumer that
   keeps tensors. The sender keeps at most one spare; segments beyond it are dropped
-  (``BucketReady.dropped``). ``zero_copy=True`` skips the bookkeeping (views valid only until the
-  next tensor is requested).
+  (``BucketReady.dropped``), and at the end of a sync it drops every segment that is neither a slot
+  nor that spare, those a consumer still holds included (``SyncEnd.dropped``): receivers unmap
+  them, so such a segment's memory is freed the moment the consumer lets go of its last view. What
+  stays between syncs is ``slots + 1`` segments, whatever the consumer held during the sync.
+  ``zero_copy=True`` skips the bookkeeping (views valid only until the next tensor is requested).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from verl_fastsync.io.lending import Lease
+from verl_fastsync.io.lending import Lease, lend
 from verl_fastsync.io.shm import SEGMENT_PREFIX, Segment, SegmentError
 from verl_fastsync.transports.base import TransportError
 from verl_fastsync.transports.controlled import MAX_SLOTS, ControlledTransport
@@ -96,6 +99,7 @@ class ShmTransport(ControlledTransport):
         self._kept: dict[str, Lease] = {}
         self._returned: list[str] = []
         self._keep_this: bool = False
+        self._let_go: list[Lease] = []  # leases of segments the sender dropped while still lent
         self.segments_made = 0
         """Segments this sender created (constant while the rotation keeps up)."""
 
@@ -229,6 +233,17 @@ class ShmTransport(ControlledTransport):
         assert tensor is not None
         return tensor
 
+    def _post_end(self, message: SyncEnd) -> None:
+        keep = set(self._slot_names) | set(self._free_names()[: self.keep_spares])
+        for name in [n for n in self._pool if n not in keep]:
+            seg = self._pool.pop(name)
+            seg.unlink()
+            seg.close()
+            self._loaned.pop(name, None)
+            self._dropped.append(name)
+        message.dropped, self._dropped = self._dropped, []
+        super()._post_end(message)
+
     def _post_bucket(self, slot: int, message: BucketReady) -> None:
         message.buffer = self._slot_names[slot]
         message.dropped, self._dropped = self._dropped, []
@@ -277,15 +292,22 @@ class ShmTransport(ControlledTransport):
             self._pool[name] = seg
         return seg
 
+    def _forget(self, names: list[str]) -> None:
+        """Unmap segments the sender dropped (a view the consumer holds keeps its own mapping)."""
+        for name in names:
+            seg = self._pool.pop(name, None)
+            lease = self._kept.pop(name, None)
+            if lease is not None:  # the consumer's: counted as held until it lets go
+                lease.forget_buffer()  # without keeping the segment mapped for it
+                self._let_go.append(lease)
+            if seg is not None:
+                seg.close()
+
     def _recv_next(self) -> BucketReady | SyncEnd:
         message = super()._recv_next()
+        self._forget(message.dropped)
         if isinstance(message, BucketReady):
             self._check_slot(message.slot)
-            for name in message.dropped:
-                seg = self._pool.pop(name, None)
-                self._kept.pop(name, None)
-                if seg is not None:
-                    seg.close()
             if message.buffer:
                 self._map(message.buffer)
                 self._slot_names[message.slot] = message.buffer
@@ -297,6 +319,15 @@ class ShmTransport(ControlledTransport):
         if seg is None or seg.tensor is None:
             raise TransportError(f"shm transport: no segment is mapped for slot {slot}")
         return seg.tensor
+
+    def _lend_bucket(self, slot: int, buffer: torch.Tensor) -> tuple[torch.Tensor, Lease]:
+        return lend(buffer)  # kept segments are tracked here (the sender must hear of their return)
+
+    def _held_bytes(self) -> int:
+        self._reclaim()
+        self._let_go = [lease for lease in self._let_go if lease.active]
+        held = sum(lease.nbytes for lease in [*self._kept.values(), *self._let_go])
+        return held + super()._held_bytes()
 
     def _settle(self, slot: int, lease: Lease) -> None:
         self._reclaim()

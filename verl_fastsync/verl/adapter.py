@@ -121,6 +121,7 @@ def install_into_verl() -> None:
             when_imported(name, _patch_legacy_workers)
         when_imported(CHECKPOINT_ENGINE, _register_checkpoint_engine)
         when_imported(CHECKPOINT_BASE, metrics.patch_checkpoint_manager)
+        when_imported(CHECKPOINT_BASE, _patch_checkpoint_engine_worker)
         when_imported(TRACKING, metrics.patch_tracking)
         when_imported(BUCKETED_TRANSFER, _install_colocated)
         when_imported(COLOCATED_MEMORY, selection.wire_colocated)
@@ -432,6 +433,36 @@ def _register_checkpoint_engine(module: ModuleType) -> None:
     from verl_fastsync.verl.engine import register_engine
 
     register_engine()
+
+
+def _patch_checkpoint_engine_worker(module: ModuleType) -> None:
+    """``CheckpointEngineWorker.update_weights`` (every release) hands ``receive_weights()`` to the
+    server adapter and lets its exception propagate without closing the stream: for the ``fastsync``
+    engine, end the receive side in a ``finally`` so that the trainer hears of the failure at once
+    (:meth:`~verl_fastsync.verl.engine.FastsyncCheckpointEngine.end_receive`). It is the only
+    caller of an engine's ``receive_weights`` in verl 0.7.1-0.9.1 (the colocated path has its own
+    receiver), so there is no other receive side to wrap."""
+    cls = require(module, "CheckpointEngineWorker", module.__name__)
+    original = require(cls, "update_weights", f"{module.__name__}.CheckpointEngineWorker")
+    if getattr(original, MARK, False):
+        return
+    from verl_fastsync.verl.engine import FastsyncCheckpointEngine
+
+    @functools.wraps(original)
+    async def update_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = getattr(self, "checkpoint_engine", None)
+        if not isinstance(engine, FastsyncCheckpointEngine):
+            return await original(self, *args, **kwargs)
+        try:
+            result = await original(self, *args, **kwargs)
+        except BaseException as exc:
+            await engine.end_receive(exc)
+            raise
+        await engine.end_receive(None)
+        return result
+
+    setattr(update_weights, MARK, True)
+    cls.update_weights = update_weights
 
 
 def _install_colocated(module: ModuleType) -> None:

@@ -43,10 +43,19 @@ Select it with::
 ``send_weights`` returns ``fastsync/transfer/*`` metrics (bytes, buckets, chunks, tensors, seconds,
 gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_metrics`` after
 ``receive_weights`` ends.
+
+**A rollout failure reaches the trainer at once.** verl's ``CheckpointEngineWorker.update_weights``
+hands ``receive_weights()`` to the server adapter and lets the adapter's exception propagate; nothing
+closes the receive stream, so the transport could tell the trainer only when a garbage-collection
+pass finalized it (the trainer meanwhile waited out ``timeout_s``). The plugin wraps that method
+(:mod:`verl_fastsync.verl.adapter`) and calls :meth:`FastsyncCheckpointEngine.end_receive` in a
+``finally``: the stream is closed with the consumer's own error as the reason every other rank sees,
+or, when the adapter returned before the last tensor, with "the consumer stopped before the end".
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from typing import Any
 
@@ -61,6 +70,7 @@ from verl_fastsync.transports.base import (
     EngineTransportFactory,
     TransportError,
     TransportOptions,
+    consumer_error,
 )
 
 __all__ = [
@@ -144,6 +154,18 @@ def _select_factory(name: str) -> EngineTransportFactory:
     return factory
 
 
+class _Receiving:
+    """One sync's receive side on a rollout rank: its transport stream once started, and whether
+    the stream reached its end."""
+
+    __slots__ = ("finished", "stream", "tensors")
+
+    def __init__(self) -> None:
+        self.stream: AsyncGenerator[tuple[str, torch.Tensor], None] | None = None
+        self.finished = False
+        self.tensors = 0
+
+
 async def _walk(weights: Iterable[Any] | AsyncIterable[Any]) -> None:
     if isinstance(weights, AsyncIterable):
         async for _ in weights:
@@ -183,6 +205,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         self.last_metrics: dict[str, float] = {}
         self.model_bytes: int | None = None
         """Bytes trainer rank 0 sent in the last sync (sizes ``bucket_bytes=auto``)."""
+        self._receiving: _Receiving | None = None
 
     # -- verl protocol -----------------------------------------------------------------------
 
@@ -239,12 +262,17 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         return actor, rollout
 
     def init_process_group(self, **kwargs: Any) -> None:
+        self._receiving = None
         self.transport.init_process_group(**kwargs)
+        rank = kwargs.get("rank")
+        if isinstance(rank, int) and rank > 0:
+            self._receiving = _Receiving()
         size = kwargs.get("bucket_size")
         if isinstance(size, int) and not isinstance(size, bool):
             self.bucket_size_in_use = size
 
     def finalize(self) -> None:
+        self._receiving = None
         self.transport.finalize()
 
     async def send_weights(
@@ -270,12 +298,57 @@ class FastsyncCheckpointEngine(CheckpointEngine):
     async def receive_weights(  # type: ignore[override]
         self, global_steps: int | None = None
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        async for item in self.transport.receive():
+        receiving = self._receiving
+        stream = self.transport.receive()
+        if not isinstance(stream, AsyncGenerator):  # a third-party transport's iterator
+            stream = _as_generator(stream)
+        if receiving is not None:
+            receiving.stream = stream
+        async for item in stream:
             yield item
             del item  # keep no reference to a tensor the consumer has moved on from
+            if receiving is not None:
+                receiving.tensors += 1
+        if receiving is not None:
+            receiving.finished = True
         stats = self.transport.last_stats
         if stats is not None:
             self.last_metrics = stats.as_metrics()
+
+    async def end_receive(self, error: BaseException | None) -> None:
+        """The consumer of this sync's :meth:`receive_weights` is done (verl's worker method returned,
+        or raised ``error``). A receive stream that did not reach its end is closed now with the
+        consumer's reason, so trainer rank 0 fails at once with it instead of waiting out
+        ``timeout_s``; a stream never started aborts the sync the same way. Returning before the end
+        without an error raises :class:`TransportError` (the rollout would run on half-updated
+        weights); with ``error`` nothing is raised here (the caller re-raises ``error``)."""
+        receiving, self._receiving = self._receiving, None
+        if receiving is None or receiving.finished:
+            return
+        reason = consumer_error(error, receiving.tensors)
+        stream = receiving.stream
+        if stream is None:
+            abort = getattr(self.transport, "abort_receive", None)
+            if callable(abort):
+                abort(str(reason))
+        elif getattr(stream, "ag_frame", None) is not None and not getattr(stream, "ag_running", True):
+            # the stream is suspended mid-sync: its failure path tells the sender, with the reason
+            with contextlib.suppress(Exception):
+                await stream.athrow(reason)
+        if error is None:
+            raise TransportError(
+                f"fastsync: the server adapter returned after {receiving.tensors} tensors, before the "
+                "end of the weights; the sync was aborted on every rank (the rollout must load every "
+                "tensor it is sent)"
+            )
+
+
+async def _as_generator(
+    items: AsyncIterable[tuple[str, torch.Tensor]],
+) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+    async for item in items:
+        yield item
+        del item
 
 
 def register_engine() -> type[FastsyncCheckpointEngine]:
