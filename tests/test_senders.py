@@ -184,7 +184,8 @@ def _tensor(spec: TensorSpec) -> torch.Tensor:
 @pytest.mark.timeout(900)
 def test_two_of_three_trainer_ranks_send_the_third_walks_its_generator() -> None:
     """``senders=2`` with 3 trainer ranks: ranks 0 and 1 send, rank 2 produces its weights (verl's
-    generator may be collective) and sends nothing; one rollout rank; oversize tensors, shm."""
+    generator may be collective) and sends nothing; one rollout rank; oversize tensors, shm; then
+    with ``bucket_bytes=auto`` and with ``zero_copy``."""
     model = _model()
     with _cluster("shm", n_actor=3, n_rollout=1, senders=2) as cluster:
         result = cluster.sync(model, 3)
@@ -192,6 +193,9 @@ def test_two_of_three_trainer_ranks_send_the_third_walks_its_generator() -> None
         first, second, third = (s["metrics"] for s in result["senders"])
         assert third == {}
         assert first["fastsync/transfer/tensors"] + second["fastsync/transfer/tensors"] == len(model)
+        for extra in ({"bucket_bytes": "auto"}, {"zero_copy": True}):  # sized per lane / views
+            cluster.renew("shm", **extra)
+            _assert_exactly_once(cluster.sync(model, 4)["receivers"], model, 4)
 
 
 def _start_sync(

@@ -37,7 +37,7 @@ _ENG = "verl_fastsync.tools.crosshost_lanes_peer"
 @dataclass
 class LanesOptions:
     payload_mib: int = 256
-    bucket_mib: int = 32
+    bucket_mib: int = 8
     repeats: int = 3
     gbit: float = 2.0
     senders: tuple[int, ...] = (1, 2, 4)
@@ -217,7 +217,7 @@ def format_lanes(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_fastsync.tools.crosshost_lanes")
     parser.add_argument("--payload-mib", type=int, default=256)
-    parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument("--bucket-mib", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gbit", type=float, default=2.0)
     parser.add_argument("--senders", default="1,2,4")
