@@ -39,6 +39,11 @@ Select it with::
   consumer asks for the next tensor; it saves only the bookkeeping now.
 * ``align_experts`` (default false): chunk boundaries of split tensors fall on dim-0 slices (MoE
   experts) when one slice fits a bucket.
+* ``senders`` (default 1): how many trainer ranks send; an int or ``"all"``. With more than one,
+  each sending rank sends a byte-balanced share on its own lane and every rollout rank merges the
+  lanes (:mod:`verl_fastsync.transports.lanes`; the plan and the exactly-once checks:
+  :mod:`verl_fastsync.transports.lanes_plan`). verl passes ``is_master`` to trainer engines only, so
+  an engine constructed with it (True or False) is a trainer rank and prepares as a possible sender.
 
 ``send_weights`` returns ``fastsync/transfer/*`` metrics (bytes, buckets, chunks, tensors, seconds,
 gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_metrics`` after
