@@ -319,10 +319,10 @@ class LanesTransport(EngineTransport):
     ) -> None:
         """The sync failed (``exc``): close every lane still open with the reason, so each sender
         fails at once with it."""
-        if failed_lane >= 0:
-            reason = f"the sync failed on {self._label(failed_lane)}: {exc}"
-        else:
-            reason = failure_reason(exc, yielded)
+        # a lane's error already names its sender
+        reason = (
+            f"the sync failed on another lane: {exc}" if failed_lane >= 0 else failure_reason(exc, yielded)
+        )
         if holding >= 0:
             with contextlib.suppress(BaseException):
                 await streams[holding].athrow(ConsumerError(reason))
