@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 # Helper modules of this suite (``_verl_fakes`` etc.) import as top-level modules; the directory
 # itself is not a package, so it cannot collide with the ``tests`` package verl's wheels install.
@@ -61,3 +63,12 @@ def verl_version_string() -> str:
     import verl
 
     return str(verl.__version__)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray instance for one test module (2 CPUs, no dashboard)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

@@ -104,6 +104,8 @@ def test_overrides_composed_against_verls_own_ppo_trainer_config() -> None:
         ("bucket_bytes=lots", {"bucket_bytes": "lots"}),
         ("bucket_size=64MiB", {"bucket_size": "64MiB"}),
         ("timeout_s=-1", {"timeout_s": -1}),
+        ("senders=0", {"senders": 0}),
+        ("senders=some", {"senders": "some"}),
     ],
 )
 def test_engine_kwargs_rejected_with_the_engines_message(override: str, value: dict[str, Any]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +11,6 @@ import pytest
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(240)]
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[Any]:
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
 
 
 def _probe(ray: Any, env: dict[str, str]) -> dict[str, Any]:

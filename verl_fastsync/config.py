@@ -194,7 +194,16 @@ def config_from_rollout(rollout_config: Any) -> FastsyncConfig:
 # -- checkpoint_engine.engine_kwargs.fastsync ---------------------------------------------------
 
 ENGINE_KEY_PREFIX = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync"
-ENGINE_KEYS = ("transport", "bucket_bytes", "timeout_s", "verify", "device", "zero_copy", "align_experts")
+ENGINE_KEYS = (
+    "transport",
+    "bucket_bytes",
+    "timeout_s",
+    "verify",
+    "device",
+    "zero_copy",
+    "align_experts",
+    "senders",
+)
 """The keys of ``engine_kwargs.fastsync`` every engine transport accepts (a third-party transport may
 declare more through ``engine_options``, see :func:`verl_fastsync.hookspecs.weight_transport`)."""
 _RESERVED_ENGINE_KEYS = {
@@ -247,6 +256,23 @@ def parse_bucket_bytes(value: object, key: str = "engine_kwargs.fastsync.bucket_
     )
 
 
+def parse_senders(value: object, key: str = "engine_kwargs.fastsync.senders") -> int | None:
+    """``engine_kwargs.fastsync.senders``: a positive int (``"2"`` too) -> that many sending trainer
+    ranks; ``"all"`` -> ``None`` (every trainer rank); anything else raises :class:`EngineKwargsError`."""
+    number: object = value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "all":
+            return None
+        number = int(text) if text.isdigit() else None
+    if isinstance(number, int) and not isinstance(number, bool) and number >= 1:
+        return number
+    raise EngineKwargsError(
+        f"{key}={value!r} is invalid; allowed: a positive int (1 = trainer rank 0 only, the default) "
+        "or 'all' (every trainer rank sends a byte-balanced share)"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
     """Resolved ``engine_kwargs.fastsync`` of the ``fastsync`` checkpoint engine."""
@@ -260,6 +286,9 @@ class EngineSettings:
     device: str = "cpu"
     zero_copy: bool = False
     align_experts: bool = False
+    senders: int | None = 1
+    """How many trainer ranks send (``engine_kwargs.fastsync.senders``): 1 (trainer rank 0 only, the
+    default), ``n`` (the first ``n``, spread over hosts) or ``None`` for ``all``."""
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The selected transport's own declared options (``engine_options``), validated."""
 
@@ -311,6 +340,8 @@ def parse_engine_settings(raw: Mapping[str, Any] | None, engine_options: EngineO
                 raise EngineKwargsError(
                     f"{where}.{flag}={raw[flag]!r} is invalid; allowed: true or false"
                 ) from None
+    if "senders" in raw:
+        values["senders"] = parse_senders(raw["senders"], f"{where}.senders")
     if "device" in raw:
         device = raw["device"]
         if not isinstance(device, str) or not device.strip():

@@ -21,7 +21,8 @@ The engine transports' messages (tagged union :data:`Message`, tag field ``type`
 
 The colocated path's messages (``Colocated*``, :data:`COLOCATED_CODEC`) and the SGLang loader's
 :class:`PullRequest` (same version, :func:`encode_pull_request` / :func:`decode_pull_request`) are at
-the end of this module.
+the end of this module, with the multi-sender engine's :class:`LaneManifest` (the last item of every
+sender's lane, :func:`encode_lane_manifest` / :func:`decode_lane_manifest`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "ColocatedReady",
     "Hello",
     "IpcHandle",
+    "LaneManifest",
     "Message",
     "PeerBuffers",
     "PullRequest",
@@ -61,8 +63,10 @@ __all__ = [
     "check_chunk_versions",
     "check_version",
     "decode",
+    "decode_lane_manifest",
     "decode_pull_request",
     "encode",
+    "encode_lane_manifest",
     "encode_pull_request",
 ]
 
@@ -380,3 +384,38 @@ def decode_pull_request(data: bytes | memoryview, *, peer: str = "peer") -> Pull
         return msgspec.msgpack.decode(data, type=PullRequest)
     except msgspec.DecodeError as exc:
         raise WireError(f"malformed pull request from {peer}: {exc}") from exc
+
+
+# -- the multi-sender engine (verl_fastsync.transports.lanes): one manifest per sender's lane -----------
+
+
+class LaneManifest(msgspec.Struct, frozen=True, kw_only=True):
+    """The last item a sending trainer rank puts on its lane (``engine_kwargs.fastsync.senders``): what
+    every lane carried, as this sender planned it from the whole weight sequence (untagged; engine
+    schema version). Receivers check that all senders planned the same sync and that each lane
+    delivered exactly its share."""
+
+    lane: int
+    sender: int
+    """The trainer rank sending this lane."""
+    counts: list[int]
+    """Tensors per lane (index = lane)."""
+    nbytes: list[int]
+    """Bytes per lane."""
+    digest: str
+    """Hash of the whole planned sequence (name, bytes, lane of every tensor, in producer order)."""
+    schema_version: int = WIRE_SCHEMA_VERSION
+
+
+def encode_lane_manifest(manifest: LaneManifest) -> bytes:
+    """Serialize a :class:`LaneManifest` (msgpack)."""
+    return msgspec.msgpack.encode(manifest)
+
+
+def decode_lane_manifest(data: bytes | memoryview, *, peer: str = "peer") -> LaneManifest:
+    """Decode a :class:`LaneManifest` (:func:`check_version` first); :class:`WireError` otherwise."""
+    check_version(data, peer=peer)
+    try:
+        return msgspec.msgpack.decode(data, type=LaneManifest)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"malformed lane manifest from {peer}: {exc}") from exc

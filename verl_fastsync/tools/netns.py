@@ -42,8 +42,10 @@ __all__ = [
     "NetnsWorker",
     "WorkerError",
     "list_netns",
+    "shape_device",
     "sweep_stale",
     "unavailable_reason",
+    "write_hosts",
 ]
 
 PREFIX = "fsx"
@@ -152,6 +154,25 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError(f"no free /30 in {_BENCH_NET} (every candidate overlaps a root-namespace route)")
 
 
+def write_hosts(end: Endpoint) -> None:
+    """``/etc/netns/<netns>/hosts`` (mounted over ``/etc/hosts`` by ``ip netns exec``): the
+    namespace's hostname resolves to its address."""
+    etc = os.path.join("/etc/netns", end.netns)
+    os.makedirs(etc, exist_ok=True)
+    with open(os.path.join(etc, "hosts"), "w") as fh:
+        fh.write(f"127.0.0.1 localhost\n{end.addr} {end.hostname}\n")
+
+
+def shape_device(netns: str, dev: str, rate_gbit: float | None) -> None:
+    """Token-bucket shape ``dev``'s egress (in ``netns``) to ``rate_gbit`` Gbit/s; ``None``: unshaped."""
+    if rate_gbit is None:
+        _run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+        return
+    burst = max(1 << 20, int(rate_gbit * 1e9 / 8 / 250))  # >= 4 ms of traffic per refill
+    _run(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root",
+          "tbf", "rate", f"{rate_gbit}gbit", "burst", str(burst), "latency", "20ms"])  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------------
 # the pair
 
@@ -166,7 +187,8 @@ class Endpoint:
     hostname: str
 
 
-_LIVE: set[NamespacePair] = set()
+_LIVE: set[Any] = set()
+"""Every open pair (and :class:`~verl_fastsync.tools.netns_star.NamespaceStar`): closed at exit."""
 
 
 def _close_all_live() -> None:
@@ -224,10 +246,7 @@ class NamespacePair:
                 _run(["ip", "-n", end.netns, "addr", "add", f"{end.addr}/{self.prefixlen}", "dev", end.dev])
                 _run(["ip", "-n", end.netns, "link", "set", "lo", "up"])
                 _run(["ip", "-n", end.netns, "link", "set", end.dev, "up"])
-                etc = os.path.join("/etc/netns", end.netns)
-                os.makedirs(etc, exist_ok=True)
-                with open(os.path.join(etc, "hosts"), "w") as fh:
-                    fh.write(f"127.0.0.1 localhost\n{end.addr} {end.hostname}\n")
+                write_hosts(end)
             if self.rate_gbit is not None:
                 self.shape(self.rate_gbit)
         except BaseException:
@@ -238,15 +257,7 @@ class NamespacePair:
     def shape(self, rate_gbit: float | None) -> None:
         """Token-bucket shape both ends' egress to ``rate_gbit`` Gbit/s (``None``: remove shaping)."""
         for end in (self.a, self.b):
-            if rate_gbit is None:
-                _run(
-                    ["ip", "netns", "exec", end.netns, "tc", "qdisc", "del", "dev", end.dev, "root"],
-                    check=False,
-                )
-                continue
-            burst = max(1 << 20, int(rate_gbit * 1e9 / 8 / 250))  # >= 4 ms of traffic per refill
-            _run(["ip", "netns", "exec", end.netns, "tc", "qdisc", "replace", "dev", end.dev, "root",
-                  "tbf", "rate", f"{rate_gbit}gbit", "burst", str(burst), "latency", "20ms"])  # fmt: skip
+            shape_device(end.netns, end.dev, rate_gbit)
         self.rate_gbit = rate_gbit
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from verl_fastsync.transports.base import SENDER_RANK, TransferStats, TransportE
 from verl_fastsync.transports.lifecycle import InFlight, TransportCore
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
-__all__ = ["SendingTransport"]
+__all__ = ["SendingTransport", "aiter_items"]
 
 
 class SendingTransport(TransportCore):
@@ -124,7 +124,7 @@ class SendingTransport(TransportCore):
         planner = BucketPlanner(self.bucket_size, align=align, acquire=acquire, on_full=ship)
         self.inflight = InFlight(phase="pack", bucket=0)
         try:
-            async for item in _aiter(named_tensors):
+            async for item in aiter_items(named_tensors):
                 name, tensor = unpack_item(item)
                 del item
                 self.inflight.tensor = name if isinstance(name, str) else None
@@ -159,7 +159,7 @@ class SendingTransport(TransportCore):
         return stats
 
 
-async def _aiter(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncGenerator[Any, None]:
+async def aiter_items(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncGenerator[Any, None]:
     """One async iterator over a sync or async iterable that holds no reference to an item once the
     consumer asks for the next one."""
     if isinstance(items, AsyncIterable):

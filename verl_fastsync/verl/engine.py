@@ -39,6 +39,11 @@ Select it with::
   consumer asks for the next tensor; it saves only the bookkeeping now.
 * ``align_experts`` (default false): chunk boundaries of split tensors fall on dim-0 slices (MoE
   experts) when one slice fits a bucket.
+* ``senders`` (default 1): how many trainer ranks send; an int or ``"all"``. With more than one,
+  each sending rank sends a byte-balanced share on its own lane and every rollout rank merges the
+  lanes (:mod:`verl_fastsync.transports.lanes`; the plan and the exactly-once checks:
+  :mod:`verl_fastsync.transports.lanes_plan`). verl passes ``is_master`` to trainer engines only, so
+  an engine constructed with it (True or False) is a trainer rank and prepares as a possible sender.
 
 ``send_weights`` returns ``fastsync/transfer/*`` metrics (bytes, buckets, chunks, tensors, seconds,
 gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_metrics`` after
@@ -72,6 +77,7 @@ from verl_fastsync.transports.base import (
     TransportOptions,
     consumer_error,
 )
+from verl_fastsync.transports.lanes import LanesTransport, lanes_topology
 
 __all__ = [
     "AUTO_CAP",
@@ -184,7 +190,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
     # 0.9.0+ declares ``wire_format`` on the base class; harmless on 0.7.1/0.8.0.
     wire_format = "named_tensors"
 
-    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+    def __init__(self, bucket_size: int, is_master: bool | None = None, **engine_kwargs: Any) -> None:
         # the same validation (code and messages) as ``verl-fastsync doctor``
         settings = parse_engine_kwargs(engine_kwargs)
         explicit = engine_bucket_size(settings, bucket_size)
@@ -201,7 +207,14 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             extra=dict(settings.extra),
         )
         self.align_experts = settings.align_experts
-        self.transport: EngineTransport = self.factory(self.options)
+        self.senders = settings.senders
+        self.transport: EngineTransport
+        if self.senders == 1:
+            self.transport = self.factory(self.options)
+        else:
+            # verl passes is_master (True or False) to trainer engines only: a trainer rank prepares
+            # as a potential sender, the topology picks who sends
+            self.transport = LanesTransport(self.factory, self.options, trainer=is_master is not None)
         self.last_metrics: dict[str, float] = {}
         self.model_bytes: int | None = None
         """Bytes trainer rank 0 sent in the last sync (sizes ``bucket_bytes=auto``)."""
@@ -214,6 +227,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             "engine": ENGINE_NAME,
             "transport": self.transport_name,
             "is_master": self.is_master,
+            "senders": "all" if self.senders is None else self.senders,
             "bucket_size": self.bucket_size,
             "free_bytes": free_memory_bytes(self._buffer_device()) if self.bucket_size is None else None,
             "model_bytes": self.model_bytes,
@@ -241,6 +255,21 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             raise ValueError(
                 f"fastsync: ranks disagree on engine_kwargs.fastsync.transport: {sorted(map(str, names))}"
             )
+        senders = {str(m.get("senders", 1)) for m in metadata}
+        if len(senders) != 1:
+            raise ValueError(f"fastsync: ranks disagree on engine_kwargs.fastsync.senders: {sorted(senders)}")
+        factory = _select_factory(str(names.pop()))
+        transport_meta = [m["transport_meta"] for m in metadata]
+        lanes = 1
+        if senders == {"1"}:
+            actor, rollout = factory.build_topology(actor_world_size, rollout_world_size, transport_meta)
+        else:
+            count = senders.pop()
+            number = None if count == "all" else int(count)
+            actor, rollout = lanes_topology(
+                factory, number, actor_world_size, rollout_world_size, transport_meta
+            )
+            lanes = len(actor["lane_senders"][0])
         participants = [metadata[0], *metadata[actor_world_size:]]
         labels = ["trainer rank 0"] + [f"rollout rank {i}" for i in range(rollout_world_size)]
         sizes = {m.get("bucket_size") for m in participants}
@@ -249,14 +278,12 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         size = sizes.pop()
         if size is None:
             model_bytes = metadata[0].get("model_bytes")
+            # a rollout rank holds the buckets of every lane
+            free = [int(m["free_bytes"]) // (1 if i == 0 else lanes) for i, m in enumerate(participants)]
             size = resolve_auto_bucket_size(
-                [(label, int(m["free_bytes"])) for label, m in zip(labels, participants, strict=True)],
+                list(zip(labels, free, strict=True)),
                 int(model_bytes) if isinstance(model_bytes, int) else None,
             )
-        factory = _select_factory(str(names.pop()))
-        actor, rollout = factory.build_topology(
-            actor_world_size, rollout_world_size, [m["transport_meta"] for m in metadata]
-        )
         actor["bucket_size"] = [size] * actor_world_size
         rollout["bucket_size"] = [size] * rollout_world_size
         return actor, rollout
@@ -291,7 +318,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             raise TransportError("fastsync: send_weights before init_process_group (bucket size unknown)")
         align = (lambda _name, tensor: leading_slice_bytes(tensor)) if self.align_experts else None
         stats = await self.transport.send(weights, align=align)
-        self.model_bytes = stats.bytes
+        self.model_bytes = getattr(self.transport, "model_bytes", None) or stats.bytes
         self.last_metrics = stats.as_metrics()
         return dict(self.last_metrics)
 

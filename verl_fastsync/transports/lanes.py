@@ -1,0 +1,354 @@
+"""Several trainer ranks send at once (``engine_kwargs.fastsync.senders``): one lane per sending rank.
+
+A *lane* is an ordinary single-sender engine transport group (shm, gloo, nixl, nccl or a third-party
+one, unchanged): sending trainer rank ``s`` is rank 0 of lane ``j``'s group and every rollout rank a
+receiver in it. :class:`LanesTransport` presents ``K`` lanes as one
+:class:`~verl_fastsync.transports.base.EngineTransport` to the engine:
+
+* ``prepare``: a trainer rank prepares one transport as a *potential* sender (it cannot know yet
+  whether it will send); a rollout rank reports the metadata of each lane transport it holds, plus
+  that of a fresh one for lanes it does not hold yet.
+* :func:`lanes_topology` (the driver): picks the sending ranks
+  (:func:`~verl_fastsync.transports.lanes_plan.choose_senders`), builds each lane's topology with the
+  transport's own ``build_topology`` (1 sender + every rollout rank).
+* ``send``: every sending rank walks the whole weight sequence, keeps the tensors the shared plan gives
+  its lane (:class:`~verl_fastsync.transports.lanes_plan.LanePlan`), drops the others at once, and ends
+  its lane with the manifest. Trainer ranks that do not send walk the sequence and send nothing.
+* ``receive``: a rollout rank iterates its ``K`` lane streams concurrently and yields each tensor as
+  soon as one lane completes it (exactly once; in arrival order, not producer order). A tensor handed
+  out stays valid as the lane's transport says (lending receivers: as long as the consumer holds it).
+* Failure: a lane that fails (its sender aborted with a reason, timed out, or broke the plan) fails
+  the stream with an error naming the sender trainer rank; every other lane still running is closed
+  with that reason, so its sender fails too, with it. A sender whose lane had already ended returns
+  normally (its bytes all arrived); the sync fails on the rollout ranks and on the failing sender.
+
+Memory: a rollout rank holds each lane's buckets (``K`` x the single-sender figure); a sender holds
+one lane's. ``bucket_bytes=auto`` sizes against the rollout's free memory divided by ``K``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+import torch
+
+from verl_fastsync.chunks import AlignSpec
+from verl_fastsync.transports.base import (
+    ConsumerError,
+    EngineTransport,
+    EngineTransportFactory,
+    TransferStats,
+    TransportError,
+    TransportOptions,
+    failure_reason,
+)
+from verl_fastsync.transports.lanes_plan import (
+    MANIFEST_NAME,
+    LanePlan,
+    LaneTally,
+    choose_senders,
+    manifest_tensor,
+    read_manifest,
+    tensor_nbytes,
+)
+from verl_fastsync.transports.sending import aiter_items
+
+__all__ = ["LanesTransport", "lanes_topology"]
+
+
+def lanes_topology(
+    factory: EngineTransportFactory,
+    senders: int | None,
+    actor_world_size: int,
+    rollout_world_size: int,
+    metadata: list[dict[str, Any]],
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """Per-rank ``init_process_group`` kwargs of a multi-sender sync from every rank's
+    :meth:`LanesTransport.prepare` (actor ranks first). Each lane's own kwargs come from the
+    transport's ``build_topology`` with one actor rank (its sender)."""
+    actor_meta, rollout_meta = metadata[:actor_world_size], metadata[actor_world_size:]
+    for rank, meta in enumerate(actor_meta):
+        if not isinstance(meta.get("sender"), dict):
+            raise TransportError(
+                f"fastsync senders: trainer rank {rank} did not prepare as a sender (was it constructed "
+                "with is_master=True/False, as verl's trainer does?)"
+            )
+    for rank, meta in enumerate(rollout_meta):
+        if not isinstance(meta.get("fresh"), dict):
+            raise TransportError(f"fastsync senders: rollout rank {rank} did not prepare as a receiver")
+    chosen = choose_senders([str(m["sender"].get("host", "")) for m in actor_meta], senders)
+    world = 1 + rollout_world_size
+    actor: dict[str, list[Any]] = {
+        "rank": [0 if rank in chosen else -1 for rank in range(actor_world_size)],
+        "world_size": [world] * actor_world_size,
+        "role": ["trainer"] * actor_world_size,
+        "bucket_size": [None] * actor_world_size,
+        "lane": [chosen.index(rank) if rank in chosen else -1 for rank in range(actor_world_size)],
+        "lane_kwargs": [None] * actor_world_size,
+        "lane_senders": [list(chosen) for _ in range(actor_world_size)],
+    }
+    rollout: dict[str, list[Any]] = {
+        "rank": list(range(1, world)),
+        "world_size": [world] * rollout_world_size,
+        "role": ["rollout"] * rollout_world_size,
+        "bucket_size": [None] * rollout_world_size,
+        "lane": [-1] * rollout_world_size,
+        "lane_kwargs": [[] for _ in range(rollout_world_size)],
+        "lane_senders": [list(chosen) for _ in range(rollout_world_size)],
+    }
+    for lane, sender in enumerate(chosen):
+        lane_meta = [actor_meta[sender]["sender"]]
+        for meta in rollout_meta:
+            held = meta.get("lanes") or []
+            lane_meta.append(held[lane] if lane < len(held) else meta["fresh"])
+        lane_actor, lane_rollout = factory.build_topology(1, rollout_world_size, lane_meta)
+        actor["lane_kwargs"][sender] = {key: values[0] for key, values in lane_actor.items()}
+        for index in range(rollout_world_size):
+            rollout["lane_kwargs"][index].append({key: values[index] for key, values in lane_rollout.items()})
+    return actor, rollout
+
+
+def _as_generator(
+    stream: AsyncIterator[tuple[str, torch.Tensor]],
+) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+    """A lane's receive stream (the built-in transports' are async generators already)."""
+    if isinstance(stream, AsyncGenerator):
+        return stream
+    return aiter_items(stream)
+
+
+def _lane_error(exc: BaseException, label: str) -> BaseException:
+    """``exc`` of a lane, naming its sender (same exception class where it takes a message)."""
+    if isinstance(exc, TransportError):
+        try:
+            wrapped = type(exc)(f"{label}: {exc}")
+        except TypeError:  # pragma: no cover - a third-party subclass with another signature
+            wrapped = TransportError(f"{label}: {exc}")
+        return wrapped
+    return TransportError(f"{label}: {failure_reason(exc)}")
+
+
+class LanesTransport(EngineTransport):
+    """``K`` single-sender lanes as one engine transport (see the module docstring).
+
+    :param factory: the lanes' transport (what ``engine_kwargs.fastsync.transport`` names).
+    :param trainer: this rank is a trainer rank (verl passes ``is_master`` to trainer engines only).
+    """
+
+    name = "lanes"
+
+    def __init__(self, factory: EngineTransportFactory, options: TransportOptions, trainer: bool) -> None:
+        super().__init__(options)
+        self.factory = factory
+        self.trainer = trainer
+        self.lane_options = dataclasses.replace(options, is_master=True) if trainer else options
+        self.lanes: list[EngineTransport] = []
+        self.rank: int | None = None
+        self.lane = -1
+        self.senders: list[int] = []
+        self.model_bytes: int | None = None
+        """Bytes of the whole sync (every lane) the last time this rank sent."""
+        self._stats: TransferStats | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        if self.trainer:
+            if not self.lanes:
+                self.lanes.append(self.factory(self.lane_options))
+            return {"sender": self.lanes[0].prepare()}
+        fresh = self.factory(self.lane_options)
+        try:
+            fresh_meta = fresh.prepare()
+        finally:
+            fresh.finalize()
+        return {"lanes": [lane.prepare() for lane in self.lanes], "fresh": fresh_meta}
+
+    @classmethod
+    def build_topology(
+        cls, actor_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        raise TransportError("LanesTransport: use lanes_topology(factory, senders, ...) (it needs both)")
+
+    def buffer_device(self) -> str:
+        device = getattr(self.lanes[0], "buffer_device", None) if self.lanes else None
+        return str(device()) if callable(device) else self.options.device
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        self.rank = int(kwargs["rank"])
+        self.lane = int(kwargs.get("lane", -1))
+        self.senders = [int(rank) for rank in kwargs.get("lane_senders") or []]
+        size = kwargs.get("bucket_size")
+        lane_kwargs = kwargs.get("lane_kwargs")
+        if self.trainer:
+            if self.lane >= 0 and isinstance(lane_kwargs, dict):
+                self.lanes[0].init_process_group(**dict(lane_kwargs, bucket_size=size))
+            return
+        if not isinstance(lane_kwargs, list) or len(lane_kwargs) != len(self.senders):
+            raise TransportError("fastsync senders: a rollout rank needs one lane_kwargs per sender")
+        while len(self.lanes) < len(lane_kwargs):
+            self.lanes.append(self.factory(self.lane_options))
+        for extra in self.lanes[len(lane_kwargs) :]:
+            extra.finalize()
+        del self.lanes[len(lane_kwargs) :]
+        for lane, (transport, lane_kw) in enumerate(zip(self.lanes, lane_kwargs, strict=True)):
+            try:
+                transport.init_process_group(**dict(lane_kw, bucket_size=size))
+            except BaseException as exc:
+                label = self._label(lane)
+                for other in self.lanes[:lane]:
+                    self._abort_lane(other, f"rollout rank {self.rank} could not join {label}: {exc}")
+                raise _lane_error(exc, label) from exc
+
+    def finalize(self) -> None:
+        for transport in self.lanes:
+            transport.finalize()
+
+    @property
+    def last_stats(self) -> TransferStats | None:
+        return self._stats
+
+    def _label(self, lane: int) -> str:
+        return f"sender trainer rank {self.senders[lane]} (lane {lane} of {len(self.senders)})"
+
+    @staticmethod
+    def _abort_lane(transport: EngineTransport, reason: str) -> None:
+        abort = getattr(transport, "abort_receive", None)
+        if callable(abort):
+            with contextlib.suppress(Exception):
+                abort(reason)
+
+    def abort_receive(self, reason: str) -> None:
+        """Fail every lane of this rank's sync before its receive stream started."""
+        for transport in self.lanes:
+            self._abort_lane(transport, reason)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    async def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        *,
+        align: AlignSpec = None,
+    ) -> TransferStats:
+        if self.rank is None or self.rank < 0 or self.lane < 0:
+            async for _ in aiter_items(named_tensors):
+                pass
+            return TransferStats()
+        plan = LanePlan(len(self.senders))
+        manifest_bytes = 0
+
+        async def share() -> AsyncIterator[tuple[str, torch.Tensor]]:
+            nonlocal manifest_bytes
+            async for name, tensor in aiter_items(named_tensors):
+                if plan.assign(name, tensor_nbytes(tensor)) == self.lane:
+                    yield name, tensor
+                del tensor  # not ours, or the transport owns its bytes now
+            manifest = manifest_tensor(plan.manifest(self.lane, self.senders[self.lane]))
+            manifest_bytes = tensor_nbytes(manifest)
+            yield MANIFEST_NAME, manifest
+
+        stats = await self.lanes[0].send(share(), align=align)
+        self.model_bytes = plan.total_bytes
+        stats = dataclasses.replace(
+            stats, bytes=stats.bytes - manifest_bytes, tensors=max(stats.tensors - 1, 0)
+        )
+        self._stats = stats
+        return stats
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def receive(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        if self.trainer or self.rank is None or self.rank < 1 or not self.lanes:
+            raise TransportError(
+                f"fastsync senders: receive() on rank {self.rank}; only rollout ranks receive"
+            )
+        who = f"{self.lanes[0].name} transport, rollout rank {self.rank}"
+        tally = LaneTally(self.senders, who)
+        streams = [_as_generator(transport.receive()) for transport in self.lanes]
+        pending: dict[int, asyncio.Future[Any]] = {}
+        start = time.perf_counter()
+        yielded = 0
+        failed_lane = -1
+        holding = -1  # the lane whose item is out now (its stream is suspended at its yield)
+        self._stats = None
+        try:
+            for lane, stream in enumerate(streams):
+                pending[lane] = asyncio.ensure_future(stream.__anext__())
+            while pending:
+                await asyncio.wait(list(pending.values()), return_when=asyncio.FIRST_COMPLETED)
+                for lane in sorted(lane for lane, fut in pending.items() if fut.done()):
+                    future = pending.pop(lane)
+                    try:
+                        name, tensor = future.result()
+                    except StopAsyncIteration:
+                        tally.end(lane)
+                        continue
+                    except BaseException as exc:
+                        failed_lane = lane
+                        raise _lane_error(exc, self._label(lane)) from exc
+                    holding = lane
+                    if name == MANIFEST_NAME:
+                        tally.manifest(lane, read_manifest(tensor, self._label(lane)))
+                    else:
+                        tally.take(lane, name, tensor)
+                        yield name, tensor
+                        yielded += 1
+                    del tensor  # keep nothing the consumer moved on from
+                    pending[lane] = asyncio.ensure_future(streams[lane].__anext__())
+                    holding = -1
+            tally.finish()
+        except BaseException as exc:
+            await self._close_lanes(streams, pending, holding, failed_lane, exc, yielded)
+            raise
+        self._stats = self._merged_stats(tally, time.perf_counter() - start)
+
+    async def _close_lanes(
+        self,
+        streams: list[AsyncGenerator[tuple[str, torch.Tensor], None]],
+        pending: dict[int, asyncio.Future[Any]],
+        holding: int,
+        failed_lane: int,
+        exc: BaseException,
+        yielded: int,
+    ) -> None:
+        """The sync failed (``exc``): close every lane still open with the reason, so each sender
+        fails at once with it."""
+        # a lane's error already names its sender
+        reason = (
+            f"the sync failed on another lane: {exc}" if failed_lane >= 0 else failure_reason(exc, yielded)
+        )
+        if holding >= 0:
+            with contextlib.suppress(BaseException):
+                await streams[holding].athrow(ConsumerError(reason))
+        for lane, future in pending.items():
+            if future.done():
+                # an item is waiting: the lane's stream is suspended, its failure path takes the reason
+                with contextlib.suppress(BaseException):
+                    future.result()
+                with contextlib.suppress(BaseException):
+                    await streams[lane].athrow(ConsumerError(reason))
+            else:
+                future.cancel(msg=reason)
+                with contextlib.suppress(BaseException):
+                    await future
+        pending.clear()
+
+    def _merged_stats(self, tally: LaneTally, seconds: float) -> TransferStats:
+        lane_stats = [s for s in (t.last_stats for t in self.lanes) if s is not None]
+        stats = TransferStats(role="receiver", seconds=seconds, tensors=sum(tally.counts))
+        stats.bytes = sum(tally.nbytes)
+        for lane in lane_stats:
+            stats.buckets += lane.buckets
+            stats.chunks += lane.chunks
+            stats.bucket_size = max(stats.bucket_size, lane.bucket_size)
+            stats.buffer_bytes += lane.buffer_bytes
+            stats.peak_extra_bytes += lane.peak_extra_bytes
+            stats.copied_bytes += lane.copied_bytes
+            stats.held_bytes += lane.held_bytes
+        return stats
