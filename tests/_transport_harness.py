@@ -192,11 +192,15 @@ class _Worker:
             if raise_after is not None and i >= raise_after:
                 raise RuntimeError(f"producer failed on purpose after {i} tensors at t={time.time():.6f}")
 
+        delays = extra.get("delay_s") or {}
+
         def gen() -> Any:
             for i, item in enumerate(model):
                 if die_after is not None and i >= die_after:
                     os._exit(17)
                 fail(i)
+                if delays.get(i):  # a slow producer: ``delay_s={index: seconds}`` before that tensor
+                    time.sleep(delays[i])
                 yield item
 
         def lazy() -> Any:
@@ -293,9 +297,18 @@ class _Worker:
             task.cancel()
             await task
 
+        async def cancelled_at() -> None:
+            task = asyncio.ensure_future(run())
+            await asyncio.sleep(extra["cancel_at_s"])  # the stream is waiting for the next bucket
+            task.cancel()
+            await task
+
         t0 = time.perf_counter()
         try:
-            asyncio.run(cancelled() if extra.get("cancel_after") is not None else run())
+            if extra.get("cancel_at_s") is not None:
+                asyncio.run(cancelled_at())
+            else:
+                asyncio.run(cancelled() if extra.get("cancel_after") is not None else run())
         finally:
             if extra.get("keep_held"):  # a consumer that keeps what it got, even from a failed sync
                 self.kept_earlier = [(name, tensor) for _, name, tensor in held]

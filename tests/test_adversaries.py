@@ -171,3 +171,30 @@ def test_nixl_costs_no_cpu_between_syncs() -> None:
         assert all(seconds < 0.3 for seconds in idle), f"CPU-seconds in 3 s idle: {idle}"
         second = cluster.sync(MODEL, seed=2)
         assert _digests(second) == [expected_digests(MODEL, 2)]
+
+
+PRODUCER_STALL_S = 10.0
+
+
+@pytest.mark.timeout(HANG_TIMEOUT)
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_consumer_cancelled_while_the_next_bucket_is_awaited_returns_at_once(transport: str) -> None:
+    """The consumer's task is cancelled while the receiver waits for a bucket the sender has not
+    sent (its producer is slow): the receiver returns at once, not when the wait would have ended
+    (gloo's group destructor waited for the blocked broadcast: up to ``timeout_s``, or here until
+    the sender's next bucket), the sender fails with the receiver's reason as soon as it sends, and
+    the next sync on the same processes is exact (the abandoned wait touches nothing of it)."""
+    with _cluster(transport, timeout_s=60) as cluster:
+        cluster.set_bucket(1024)
+        cluster.build_process_group()
+        cluster.post(0, "send", MODEL, 0, {"delay_s": {0: PRODUCER_STALL_S}})
+        cluster.post(1, "receive", {"cancel_at_s": 0.5})
+        # well before the producer's stall ends (a cancelled consumer costs milliseconds)
+        recv_status, recv_message = cluster.wait_result(1, timeout=PRODUCER_STALL_S / 2)
+        assert recv_status == "err" and "CancelledError" in recv_message, recv_message
+        send_status, send_message = cluster.wait_result(0)
+        assert send_status == "err", "the sender reported success for a sync its receiver abandoned"
+        assert "rank 1 aborted the sync: the consumer's task was cancelled" in send_message, send_message
+        cluster.call_all("finalize")
+        result = cluster.sync(MODEL, seed=3)
+        assert _digests(result) == [expected_digests(MODEL, 3)]

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 import uuid
 from typing import Any, ClassVar
@@ -83,6 +84,13 @@ _PARTS = 4
 _MIN_PART = 1 << 20
 _MIN_WAIT_S = 0.01  # a zero timedelta means "no timeout" to Work.wait: never pass less than this
 _PREFIX = "fastsync-gloo"
+
+
+def _let_go(group: Any) -> None:
+    """Run on its own thread: the caller's reference to ``group`` is the last one and is dropped
+    when this returns (``Thread.run`` deletes its arguments on the thread), so the group's
+    destructor waits there (see :meth:`GlooTransport._drop_group`)."""
+    del group
 
 
 def _parts(payload: torch.Tensor) -> list[torch.Tensor]:
@@ -247,7 +255,13 @@ class GlooTransport(BufferedTransport):
         self.groups_built += 1
 
     def _drop_group(self) -> None:
-        """Abort the group (the store stays)."""
+        """Abort the group (the store stays).
+
+        Aborting closes the group's connections (the peers' broadcasts fail at once), but a receive
+        thread blocked in a broadcast stays blocked until that broadcast's own timeout, and the
+        group's destructor joins gloo's threads, so it waits as long (measured: the whole
+        ``timeout_s``). The last reference is therefore let go on a short-lived daemon thread, never
+        on the caller's (the event loop's) thread."""
         pg, self._pg = self._pg, None
         self._key = None
         if pg is not None:
@@ -255,6 +269,8 @@ class GlooTransport(BufferedTransport):
                 pg.abort()
             except Exception:  # pragma: no cover
                 pass
+            threading.Thread(target=_let_go, args=(pg,), name="fastsync-gloo-release", daemon=True).start()
+            del pg
 
     def _end_sync(self) -> None:
         """``finalize``: a sync that ended cleanly keeps the group, the store and the buffers for the
@@ -266,13 +282,13 @@ class GlooTransport(BufferedTransport):
         self._keep = [[], []]
 
     def _close(self) -> None:
+        self._slot_works = [[], []]  # before the group: a work may be what keeps it alive
+        self._keep = [[], []]
         self._drop_group()
         self._store = None
         self._store_addr = ""
         self._bufs = []
         self._drop_lending_pool()
-        self._slot_works = [[], []]
-        self._keep = [[], []]
         self._mid_sync = False
         self._synced = False
 
@@ -310,18 +326,20 @@ class GlooTransport(BufferedTransport):
                 return self._abort_error(f"rollout rank {rank}", message.reason)
         return None
 
-    def _broadcast(self, tensor: torch.Tensor, deadline: float | None = None) -> Any:
-        """Post one broadcast. gloo gives up on it ``timeout_s`` after it starts, or at ``deadline``:
-        closing the group waits for every posted broadcast to end, so an abort posted late in its
-        budget must not outlive that budget."""
-        assert self._pg is not None
+    def _broadcast(self, tensor: torch.Tensor, deadline: float | None = None, group: Any = None) -> Any:
+        """Post one broadcast on ``group`` (default: the current one). gloo gives up on it
+        ``timeout_s`` after it starts, or at ``deadline``: closing the group waits for every posted
+        broadcast to end, so an abort posted late in its budget must not outlive that budget."""
+        pg = self._pg if group is None else group
+        if pg is None:
+            raise TransportError(f"gloo transport, {self.role} rank {self.rank}: the group was closed")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         if deadline is None:
             opts.timeout = self._td()
         else:
             opts.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), _MIN_WAIT_S))
-        return self._pg.broadcast([tensor], opts)
+        return pg.broadcast([tensor], opts)
 
     def _wait(self, work: Any, peer: str, deadline: float) -> None:
         """Wait for ``work`` until ``deadline`` (:func:`time.monotonic`): only the time left of a
@@ -407,9 +425,14 @@ class GlooTransport(BufferedTransport):
         return self._bufs[slot]
 
     def _recv_next(self) -> BucketReady | SyncEnd:
+        # Every broadcast goes to the group this call started on: after a failure this thread may
+        # still be blocked in it while the transport already belongs to the next sync's group.
+        group, buffers = self._pg, self._bufs  # _close() replaces the list, a lending swap edits it
+        if group is None:
+            raise TransportError(f"gloo transport, rollout rank {self.rank}: the group was closed")
         self._mid_sync = True
         header = torch.zeros(_HEADER, dtype=torch.int64)
-        self._wait(self._broadcast(header), self._peer, self._deadline())
+        self._wait(self._broadcast(header, group=group), self._peer, self._deadline())
         magic, version, kind, meta_len, nbytes = (int(v) for v in header.tolist())
         if magic != _MAGIC:
             raise TransportError(f"gloo transport: bad header from {self._peer}: {header.tolist()}")
@@ -421,14 +444,15 @@ class GlooTransport(BufferedTransport):
             )
         deadline = self._deadline()  # the header is here: metadata and payload share one budget
         meta = torch.empty(meta_len, dtype=torch.uint8)
-        self._wait(self._broadcast(meta), self._peer, deadline)
+        self._wait(self._broadcast(meta, group=group), self._peer, deadline)
         message = decode(meta.numpy().tobytes(), peer=self._peer)
         if kind == _KIND_ABORT or isinstance(message, Abort):
             reason = message.reason if isinstance(message, Abort) else "?"
             raise self._abort_error(self._peer, reason)
         if isinstance(message, SyncEnd):
-            self._mid_sync = False  # the sender posts nothing more this sync
-            self._synced = True
+            if group is self._pg:
+                self._mid_sync = False  # the sender posts nothing more this sync
+                self._synced = True
             return message
         if not isinstance(message, BucketReady) or kind != _KIND_BUCKET:
             raise TransportError(f"gloo transport: unexpected {type(message).__name__} from {self._peer}")
@@ -438,7 +462,8 @@ class GlooTransport(BufferedTransport):
                 f"{message.slot}, metadata {message.nbytes}; bucket size {self.bucket_size}"
             )
         if nbytes:
-            works = [self._broadcast(part) for part in _parts(self._bufs[message.slot][:nbytes])]
+            payload = buffers[message.slot][:nbytes]
+            works = [self._broadcast(part, group=group) for part in _parts(payload)]
             for work in works:
                 self._wait(work, self._peer, deadline)
         return message
