@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from verl_fastsync.delta import codec
 from verl_fastsync.delta.codec import (
     BLOCK,
     HEADER,
@@ -66,8 +67,9 @@ def test_round_trip_is_bit_exact_for_every_dtype_and_changed_fraction(
     base = _tensor(dtype, 3 * BLOCK + 17, seed=1)  # several index blocks, a partial last one
     new, count = _changed(base, fraction, seed=2)
     delta = encode(base, new, base.element_size())
-    assert delta.changed == count and delta.size == new.numel() * new.element_size()
+    assert delta.size == new.numel() * new.element_size()
     assert delta.kind is (Kind.SPARSE if fraction <= 0.02 else Kind.RAW)
+    assert delta.changed == (count if delta.kind is Kind.SPARSE else None)
     wire = delta.tobytes()
     assert len(wire) == delta.nbytes
     assert _bits(decode(base, wire)) == _bits(new)
@@ -92,20 +94,20 @@ def test_a_bf16_bucket_with_2_percent_changed_costs_under_5_percent_of_its_bytes
 def test_bits_not_float_equality_decide_what_changed() -> None:
     # -0.0 vs 0.0 compare equal as floats; NaNs with other payloads compare unequal to everything,
     # the same NaN included: the codec must see neither as floats
-    base = torch.tensor([0.0, -0.0, 1.0, 0.0, 2.0, 3.0] * 40, dtype=torch.bfloat16)
+    base = torch.tensor([0.0, -0.0, 1.0, 0.0, 2.0, 3.0] + [1.0] * 10, dtype=torch.bfloat16).repeat(40)
     bits = base.view(torch.int16)
-    bits[4::6] = 0x7FC1  # a quiet NaN with payload 1
+    bits[4::16] = 0x7FC1  # a quiet NaN with payload 1
     new = base.clone()
-    new[0::6] = -0.0  # 0.0 -> -0.0: equal as floats, other bits
-    new[1::6] = 0.0  # -0.0 -> 0.0
-    new.view(torch.int16)[4::6] = 0x7FC2  # another NaN payload
-    new.view(torch.int16)[5::6] = 0x7FC1  # 3.0 -> NaN
-    # element 2 (1.0) and 3 (0.0) stay; the NaN at 4 changes payload; so 4 of 6 elements changed
+    new[0::16] = -0.0  # 0.0 -> -0.0: equal as floats, other bits
+    new[1::16] = 0.0  # -0.0 -> 0.0
+    new.view(torch.int16)[4::16] = 0x7FC2  # another NaN payload
+    new.view(torch.int16)[5::16] = 0x7FC1  # 3.0 -> NaN
+    # elements 2 (1.0) and 3 (0.0) stay, the NaN at 4 changes payload: 4 of every 16 elements changed
     delta = encode(base, new, 2, max_ratio=1.0)
-    assert delta.changed == 4 * 40
+    assert delta.kind is Kind.SPARSE and delta.changed == 4 * 40
     out = decode(base, delta.tobytes())
     assert out.tobytes() == _bits(new)
-    assert (out.view(np.uint16)[4::6] == 0x7FC2).all() and (out.view(np.uint16)[0::6] == 0x8000).all()
+    assert (out.view(np.uint16)[4::16] == 0x7FC2).all() and (out.view(np.uint16)[0::16] == 0x8000).all()
     same_nan = base.clone()  # an unchanged NaN is unchanged, though NaN != NaN
     assert encode(base, same_nan, 2).changed == 0
 
@@ -133,6 +135,25 @@ def test_changes_at_block_edges_and_the_last_element() -> None:
     delta = encode(base, new, 2)
     assert delta.kind is Kind.SPARSE and delta.changed == 6
     assert decode(base, delta.tobytes()).tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("scan", [1, 7, 64, codec.SCAN])
+def test_changes_across_scan_slices_and_the_early_stop(monkeypatch: pytest.MonkeyPatch, scan: int) -> None:
+    monkeypatch.setattr(codec, "SCAN", scan)
+    rng = np.random.default_rng(scan)
+    base = rng.integers(0, 256, 4 * 1000 + 3, dtype=np.uint8)
+    for fraction in (0.0, 0.05, 0.2, 0.9):
+        new = np.where(
+            rng.random(base.size) < fraction, rng.integers(0, 256, base.size, dtype=np.uint8), base
+        )
+        expected = int(np.count_nonzero(base[:4000].view(np.uint32) != new[:4000].view(np.uint32)))
+        delta = encode(base, new, 4)
+        assert delta.changed == (expected if delta.kind is Kind.SPARSE else None)
+        assert delta.kind is (Kind.SPARSE if fraction < 0.2 else Kind.RAW)
+        assert decode(base, delta.tobytes()).tobytes() == new.tobytes()
+    late = base.copy()  # unchanged until the last slice, then every element changes: raw
+    late[-400:] ^= 0xFF
+    assert encode(base, late, 4, max_ratio=0.1).kind is Kind.RAW
 
 
 def test_raw_fallback_when_the_delta_is_not_smaller() -> None:

@@ -67,10 +67,11 @@ BLOCK: Final = 1 << BLOCK_BITS
 """Elements per index block: an index inside a block fits ``uint16``."""
 
 DEFAULT_MAX_RATIO: Final = 0.5
-"""The sparse form is used when it is at most this fraction of the raw bytes. Past it a bucket goes
-raw: at half the bytes about a third of the elements changed, where building and applying the delta
-costs about as much as sending the bytes it saves on a 10 Gbit/s link (``benchmarks/delta_codec.py``
-measures it)."""
+"""The sparse form is used when it is at most this fraction of the raw bytes (at 0.5: a quarter of the
+bf16 values changed, a third of the fp32 ones), else the bucket goes raw. It is a bound on bytes; time
+depends on the link: on one core the sparse encode runs at ~2-3 GB/s at 1-2% of bf16 values changed and
+~1 GB/s at 6-12% (``benchmarks/delta_codec.py``), so on a 10 Gbit/s link delta saves time up to about
+8% changed and bytes beyond; a caller that knows its link passes its own ``max_ratio``."""
 
 _DTYPES: Final[dict[int, type[np.unsignedinteger]]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _COUNT: Final = struct.Struct("<Q")
@@ -108,8 +109,9 @@ class Delta:
     """Bytes of the bucket (the new bytes)."""
     digest: int
     """xxh3-64 of the new bytes."""
-    changed: int
-    """Elements (of ``width`` bytes) that differ from the base."""
+    changed: int | None
+    """Elements (of ``width`` bytes) that differ from the base; None for ``RAW`` (counting stops as soon
+    as the sparse form is too large)."""
     parts: tuple[Bytes, ...]
 
     @property
@@ -164,6 +166,33 @@ def sparse_size(size: int, width: int, changed: int) -> int:
     return counts + _pad8(counts) + indices + _pad8(indices) + width * changed + size % width
 
 
+SCAN: Final = 1 << 20
+"""Elements compared at a time: the changed-mask of one slice stays in cache and is reused, so a
+bucket costs no mask of its own size, and counting stops at the slice where the delta stops paying."""
+
+
+def _changed(
+    old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger], most: float
+) -> npt.NDArray[np.int64] | None:
+    """Indices of the elements where ``old`` and ``new`` differ, ascending; None once there are more
+    than ``most``."""
+    if most < 0:
+        return None
+    mask = np.empty(min(SCAN, old.size), dtype=np.bool_)
+    found: list[npt.NDArray[np.int64]] = []
+    count = 0
+    for start in range(0, old.size, SCAN):
+        stop = min(start + SCAN, old.size)
+        np.not_equal(old[start:stop], new[start:stop], out=mask[: stop - start])
+        index = np.flatnonzero(mask[: stop - start])
+        count += index.size
+        if count > most:
+            return None
+        if index.size:
+            found.append(index + start)
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+
 def encode(
     base: object,
     new: object,
@@ -188,13 +217,12 @@ def encode(
     digest = xxhash.xxh3_64_intdigest(now.data)
     old_el, old_tail = _elements(old, width)
     now_el, now_tail = _elements(now, width)
-    changed_mask = old_el != now_el
-    changed = int(np.count_nonzero(changed_mask))
-    if now.size == 0 or sparse_size(now.size, width, changed) > max_ratio * now.size:
+    index = _changed(old_el, now_el, (max_ratio * now.size - sparse_size(now.size, width, 0)) / (2 + width))
+    if index is None or now.size == 0:
         if update_base:
             old[:] = now
-        return Delta(Kind.RAW, width, now.size, digest, changed, (now,))
-    index = np.flatnonzero(changed_mask)
+        return Delta(Kind.RAW, width, now.size, digest, None, (now,))
+    changed = index.size
     counts = np.bincount(index >> BLOCK_BITS, minlength=_blocks(now_el.size)).astype(np.uint32)
     values = now_el[index]
     head = np.frombuffer(_COUNT.pack(changed), dtype=np.uint8)
