@@ -27,6 +27,7 @@ from verl_fastsync.delta.codec import (
     Kind,
     as_bytes,
     decode,
+    element_width,
     encode,
     sparse_size,
 )
@@ -304,3 +305,9 @@ def test_the_measurement_script_runs_and_checks_what_it_measures(monkeypatch: py
     assert rows[1].changed > 0.9 and set(rows[1].kinds) == {"RAW"}
     assert rows[0].size["codec"] < 0.2 * rows[0].raw and "xor+zlib1" in rows[0].size
     assert "| 1e-06 | re-init |" in bench.table(rows)
+
+
+def test_element_width_divides_every_itemsize_in_a_bucket() -> None:
+    assert element_width([2]) == 2 and element_width([2, 4, 2]) == 2 and element_width([4, 8]) == 4
+    assert element_width([1, 2]) == 1 and element_width([16]) == 8 and element_width([]) == 8
+    assert element_width([t.itemsize for t in DTYPES]) == 1  # bool and int8 are one byte

@@ -27,7 +27,9 @@ numpy, torch, xxhash and the standard library only.
 
 from __future__ import annotations
 
+import math
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
@@ -49,6 +51,7 @@ __all__ = [
     "Kind",
     "as_bytes",
     "decode",
+    "element_width",
     "encode",
     "sparse_size",
 ]
@@ -143,6 +146,16 @@ def as_bytes(buffer: object) -> Bytes:
             raise DeltaError("need a C-contiguous array")
         return buffer.reshape(-1).view(np.uint8)
     return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]
+
+
+def element_width(itemsizes: Iterable[int]) -> int:
+    """The element width to diff a bucket holding tensors of these itemsizes (bytes) at: the largest
+    width that divides every itemsize, at most 8 (a bucket of bf16 and fp32 tensors: 2). Any width
+    is bit-exact; this one makes one changed value one changed element."""
+    width = 8
+    for itemsize in itemsizes:
+        width = math.gcd(width, itemsize)
+    return width
 
 
 def _elements(buf: Bytes, width: int) -> tuple[npt.NDArray[np.unsignedinteger], Bytes]:
