@@ -311,3 +311,13 @@ def test_element_width_divides_every_itemsize_in_a_bucket() -> None:
     assert element_width([2]) == 2 and element_width([2, 4, 2]) == 2 and element_width([4, 8]) == 4
     assert element_width([1, 2]) == 1 and element_width([16]) == 8 and element_width([]) == 8
     assert element_width([t.itemsize for t in DTYPES]) == 1  # bool and int8 are one byte
+
+
+@pytest.mark.parametrize("changed", [1, 2, 3, 4, 5])
+def test_max_ratio_bounds_the_payload_exactly_padding_included(changed: int) -> None:
+    base = np.zeros(1000, dtype=np.uint8)
+    new = base.copy()
+    new.view(np.uint16)[:changed] = 1
+    exact = sparse_size(1000, 2, changed) / 1000
+    assert encode(base, new, 2, max_ratio=exact).kind is Kind.SPARSE
+    assert encode(base, new, 2, max_ratio=exact - 1e-9).kind is Kind.RAW

@@ -231,8 +231,8 @@ def encode(
     old_el, old_tail = _elements(old, width)
     now_el, now_tail = _elements(now, width)
     index = _changed(old_el, now_el, (max_ratio * now.size - sparse_size(now.size, width, 0)) / (2 + width))
-    if index is None or now.size == 0:
-        if update_base:
+    if index is None or now.size == 0 or sparse_size(now.size, width, index.size) > max_ratio * now.size:
+        if update_base:  # (the first test is the early stop; the last adds index padding to it)
             old[:] = now
         return Delta(Kind.RAW, width, now.size, digest, None, (now,))
     changed = index.size
