@@ -19,7 +19,7 @@ PACKAGE = ROOT / "verl_fastsync"
 MAX_LINES = 500
 TOOLS = "verl_fastsync.tools"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("limits", "io"),
+    ("limits", "io", "delta"),
     ("chunks",),
     ("wire",),
     ("config",),
