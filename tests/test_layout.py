@@ -19,7 +19,8 @@ PACKAGE = ROOT / "verl_fastsync"
 MAX_LINES = 500
 TOOLS = "verl_fastsync.tools"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("limits", "io", "delta"),
+    ("limits", "io"),
+    ("delta",),
     ("chunks",),
     ("wire",),
     ("config",),
