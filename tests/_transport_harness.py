@@ -86,9 +86,18 @@ def build_tensor(spec: TensorSpec, seed: int) -> Any:
     return tensor
 
 
-def iter_model(specs: list[TensorSpec], seed: int = 0) -> Any:
+def iter_model(specs: list[TensorSpec], seed: int = 0, step: int = 0) -> Any:
+    """The model of ``seed``; ``step > 0``: the same model with about 2% of each tensor's elements
+    replaced (a different 2% per step), as consecutive optimizer steps change few values."""
     for i, spec in enumerate(specs):
-        yield spec.name, build_tensor(spec, seed * 100003 + i)
+        tensor = build_tensor(spec, seed * 100003 + i)
+        if step and tensor.numel():
+            tensor = tensor.clone()  # contiguous, same shape
+            flat = tensor.reshape(-1)
+            other = build_tensor(spec, seed * 100003 + i + 7919 * step).reshape(-1)
+            where = slice(step % 17, None, 50)
+            flat[where] = other[where]
+        yield spec.name, tensor
 
 
 def digest(name: str, tensor: Any) -> tuple[str, tuple[int, ...], str, str]:
@@ -102,8 +111,10 @@ def digest(name: str, tensor: Any) -> tuple[str, tuple[int, ...], str, str]:
     return name, tuple(tensor.shape), dtype_to_str(tensor.dtype), sha
 
 
-def expected_digests(specs: list[TensorSpec], seed: int = 0) -> list[tuple[str, tuple[int, ...], str, str]]:
-    return [digest(n, t) for n, t in iter_model(specs, seed)]
+def expected_digests(
+    specs: list[TensorSpec], seed: int = 0, step: int = 0
+) -> list[tuple[str, tuple[int, ...], str, str]]:
+    return [digest(n, t) for n, t in iter_model(specs, seed, step)]
 
 
 # ------------------------------------------------------------------------------------------
@@ -182,7 +193,7 @@ class _Worker:
         producer does) or ``"restore"`` (tensors overwritten in place after the last yield, as a
         merged-LoRA producer restoring its weights does)."""
         producer = extra.get("producer", "list")
-        model = list(iter_model(specs, seed)) if producer != "lazy" else []
+        model = list(iter_model(specs, seed, int(extra.get("step", 0)))) if producer != "lazy" else []
         die_after = extra.get("die_after")
         raise_after = extra.get("raise_after")
 

@@ -320,3 +320,23 @@ def test_import_hook_ignores_only_the_named_warning() -> None:
         (DeprecationWarning, NCCL_WARNING),
         (UserWarning, "something else"),
     ]
+
+
+def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) -> None:
+    """``delta=true`` keeps the model's bytes on the sending rank and every rollout rank: doctor
+    reads the size from a local checkpoint and fails when this host cannot hold it."""
+    from verl_fastsync.tools.doctor_checks import _delta_memory
+
+    (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 3000)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"\0" * 2000)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 5000)  # the same weights again: not counted
+    overrides = [f"actor_rollout_ref.model.path={tmp_path}"]
+    problem, note = _delta_memory(overrides, available=4000)
+    assert problem is not None and "needs about 0.00 GiB" in problem and "set delta=false" in problem
+    assert str(tmp_path) in note
+    problem, note = _delta_memory(overrides, available=6000)
+    assert problem is None and "every rollout rank" in note
+    problem, note = _delta_memory(["+trainer.n_gpus_per_node=8"], available=6000)
+    assert problem is None and "give actor_rollout_ref.model.path" in note
+    report = doctor.diagnose([f"+{ENGINE}.delta=true", *overrides])
+    assert any("delta=true keeps the model's bytes" in n for n in report["notes"]), report["notes"]

@@ -20,6 +20,7 @@ MAX_LINES = 500
 TOOLS = "verl_fastsync.tools"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("limits", "io"),
+    ("delta",),
     ("chunks",),
     ("wire",),
     ("config",),

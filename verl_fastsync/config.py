@@ -203,6 +203,7 @@ ENGINE_KEYS = (
     "zero_copy",
     "align_experts",
     "senders",
+    "delta",
 )
 """The keys of ``engine_kwargs.fastsync`` every engine transport accepts (a third-party transport may
 declare more through ``engine_options``, see :func:`verl_fastsync.hookspecs.weight_transport`)."""
@@ -289,6 +290,9 @@ class EngineSettings:
     senders: int | None = 1
     """How many trainer ranks send (``engine_kwargs.fastsync.senders``): 1 (trainer rank 0 only, the
     default), ``n`` (the first ``n``, spread over hosts) or ``None`` for ``all``."""
+    delta: bool = False
+    """Send each tensor as its difference from what was sent in the last sync
+    (``engine_kwargs.fastsync.delta``; :mod:`verl_fastsync.delta.stream`)."""
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The selected transport's own declared options (``engine_options``), validated."""
 
@@ -332,7 +336,7 @@ def parse_engine_settings(raw: Mapping[str, Any] | None, engine_options: EngineO
                 f"{where}.timeout_s={raw['timeout_s']!r} is invalid: timeout_s must be a finite number > 0 "
                 "of seconds"
             ) from None
-    for flag in ("verify", "zero_copy", "align_experts"):
+    for flag in ("verify", "zero_copy", "align_experts", "delta"):
         if flag in raw:
             try:
                 values[flag] = _as_bool(flag, raw[flag])

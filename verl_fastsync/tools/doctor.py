@@ -60,6 +60,7 @@ from verl_fastsync.config import ENGINE_KEY_PREFIX, KEY_PREFIX
 from verl_fastsync.tools.doctor_checks import (
     OverrideError,
     Overrides,
+    _delta_memory,
     _dig,
     _route_problem,
     _startup_problems,
@@ -251,6 +252,11 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
             report["engine_settings"] = {
                 k: (dict(v) if isinstance(v, Mapping) else v) for k, v in dataclasses.asdict(settings).items()
             }
+            if settings.delta:
+                delta_problem, delta_note = _delta_memory(overrides)
+                report["notes"].append(delta_note)
+                if delta_problem:
+                    problems.append(delta_problem)
             why = transports["engine"]["unavailable"].get(settings.transport)
             if why:
                 problems.append(

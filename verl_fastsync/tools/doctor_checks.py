@@ -200,3 +200,61 @@ def compose_problem(overrides: Sequence[str], verl_dir: str | None) -> str | Non
     finally:
         GlobalHydra.instance().clear()
     return None
+
+
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    return None
+
+
+def _checkpoint_bytes(path: str) -> int | None:
+    """Bytes of the weight files of a local checkpoint directory (None: not a local checkpoint)."""
+    if not os.path.isdir(path):
+        return None
+    files = [f for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES)]
+    if not files:
+        return None
+    preferred = [f for f in files if f.endswith(".safetensors")] or files  # not both formats twice
+    return sum(os.path.getsize(os.path.join(path, f)) for f in preferred)
+
+
+def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tuple[str | None, str]:
+    """(problem or None, note) for ``engine_kwargs.fastsync.delta=true``: the base costs the model's
+    bytes in host memory on the sending trainer rank and on every rollout rank. The model's size is
+    read from the checkpoint files at ``actor_rollout_ref.model.path`` when that is a local
+    directory; this host's ``MemAvailable`` must hold it (a problem if it cannot)."""
+    available = _mem_available() if available is None else available
+    path = next(
+        (o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == MODEL_PATH_KEY), None
+    )
+    size = _checkpoint_bytes(path) if path else None
+    gib = 1 << 30
+    have = f"{available / gib:.1f} GiB available here" if available is not None else "host memory unknown"
+    if size is None:
+        return None, (
+            f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes (as synced) in host memory on the "
+            f"sending trainer rank and on every rollout rank ({have}; give {MODEL_PATH_KEY} as a local "
+            "directory to check it against the checkpoint's size)"
+        )
+    note = (
+        f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes in host memory on the sending trainer "
+        f"rank and on every rollout rank: about {size / gib:.2f} GiB (the checkpoint at {path}), {have}"
+    )
+    if available is not None and size > available:
+        return (
+            f"{ENGINE_KEY_PREFIX}.delta=true: the base needs about {size / gib:.2f} GiB of host memory "
+            f"(the checkpoint at {path}) and this host has {available / gib:.2f} GiB available; "
+            "set delta=false or free host memory",
+            note,
+        )
+    return None, note

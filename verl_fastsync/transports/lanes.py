@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
 import torch
@@ -59,6 +59,8 @@ from verl_fastsync.transports.lanes_plan import (
 from verl_fastsync.transports.sending import aiter_items
 
 __all__ = ["LanesTransport", "lanes_topology"]
+
+ItemMap = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
 
 
 def lanes_topology(
@@ -153,6 +155,10 @@ class LanesTransport(EngineTransport):
         self.senders: list[int] = []
         self.model_bytes: int | None = None
         """Bytes of the whole sync (every lane) the last time this rank sent."""
+        self.encode_item: ItemMap | None = None
+        """Applied to each tensor of this sender's share after the plan placed it (delta sync)."""
+        self.decode_item: ItemMap | None = None
+        """Applied to each received tensor before the exactly-once tally (delta sync)."""
         self._stats: TransferStats | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -242,12 +248,13 @@ class LanesTransport(EngineTransport):
             return TransferStats()
         plan = LanePlan(len(self.senders))
         manifest_bytes = 0
+        encode = self.encode_item
 
         async def share() -> AsyncIterator[tuple[str, torch.Tensor]]:
             nonlocal manifest_bytes
             async for name, tensor in aiter_items(named_tensors):
                 if plan.assign(name, tensor_nbytes(tensor)) == self.lane:
-                    yield name, tensor
+                    yield encode(name, tensor) if encode is not None else (name, tensor)
                 del tensor  # not ours, or the transport owns its bytes now
             manifest = manifest_tensor(plan.manifest(self.lane, self.senders[self.lane]))
             manifest_bytes = tensor_nbytes(manifest)
@@ -269,6 +276,7 @@ class LanesTransport(EngineTransport):
                 f"fastsync senders: receive() on rank {self.rank}; only rollout ranks receive"
             )
         who = f"{self.lanes[0].name} transport, rollout rank {self.rank}"
+        decode = self.decode_item
         tally = LaneTally(self.senders, who)
         streams = [_as_generator(transport.receive()) for transport in self.lanes]
         pending: dict[int, asyncio.Future[Any]] = {}
@@ -296,6 +304,8 @@ class LanesTransport(EngineTransport):
                     if name == MANIFEST_NAME:
                         tally.manifest(lane, read_manifest(tensor, self._label(lane)))
                     else:
+                        if decode is not None:
+                            name, tensor = decode(name, tensor)
                         tally.take(lane, name, tensor)
                         yield name, tensor
                         yielded += 1

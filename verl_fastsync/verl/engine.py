@@ -45,6 +45,13 @@ Select it with::
   :mod:`verl_fastsync.transports.lanes_plan`). verl passes ``is_master`` to trainer engines only, so
   an engine constructed with it (True or False) is a trainer rank and prepares as a possible sender.
 
+* ``delta`` (default false): each tensor is sent as its difference from what was sent in the last
+  sync, and every receiver rebuilds the full tensor before yielding it (:mod:`verl_fastsync.delta.stream`).
+  The trainer's sending rank and every rollout rank keep the last synced weights in host memory (the
+  model's bytes; a sender with several senders its share). A sync diffs only when every side holds
+  the same base (compared in ``build_topology``); otherwise, after a failed sync and for the first
+  one, it is full (``fastsync/transfer/delta_full_syncs`` counts them). Receivers yield host tensors.
+
 ``send_weights`` returns ``fastsync/transfer/*`` metrics (bytes, buckets, chunks, tensors, seconds,
 gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_metrics`` after
 ``receive_weights`` ends.
@@ -61,6 +68,7 @@ or, when the adapter returned before the last tensor, with "the consumer stopped
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from typing import Any
 
@@ -69,6 +77,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from verl_fastsync.chunks import leading_slice_bytes, validate_bucket_size
 from verl_fastsync.config import engine_bucket_size, parse_bucket_bytes
+from verl_fastsync.delta.stream import DeltaDecoder, DeltaEncoder
 from verl_fastsync.selection import parse_engine_kwargs
 from verl_fastsync.transports.base import (
     EngineTransport,
@@ -215,6 +224,16 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             # verl passes is_master (True or False) to trainer engines only: a trainer rank prepares
             # as a potential sender, the topology picks who sends
             self.transport = LanesTransport(self.factory, self.options, trainer=is_master is not None)
+        self.delta = settings.delta
+        self.delta_encoder: DeltaEncoder | None = None
+        self.delta_decoder: DeltaDecoder | None = None
+        if self.delta:  # verl passes is_master to trainer engines only
+            if is_master is not None:
+                self.delta_encoder = DeltaEncoder()
+            else:
+                self.delta_decoder = DeltaDecoder()
+        self._delta_plan: tuple[str | None, str] | None = None
+        """This sync's (base epoch to diff against or None for a full sync, the next epoch)."""
         self.last_metrics: dict[str, float] = {}
         self.model_bytes: int | None = None
         """Bytes trainer rank 0 sent in the last sync (sizes ``bucket_bytes=auto``)."""
@@ -231,8 +250,13 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             "bucket_size": self.bucket_size,
             "free_bytes": free_memory_bytes(self._buffer_device()) if self.bucket_size is None else None,
             "model_bytes": self.model_bytes,
+            "delta": {"epoch": self._delta_epoch()} if self.delta else None,
             "transport_meta": self.transport.prepare(),
         }
+
+    def _delta_epoch(self) -> str | None:
+        side = self.delta_encoder or self.delta_decoder
+        return None if side is None else side.epoch
 
     def _buffer_device(self) -> str:
         """Where this rank's bucket buffers live (``auto`` sizes against that memory)."""
@@ -286,10 +310,26 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             )
         actor["bucket_size"] = [size] * actor_world_size
         rollout["bucket_size"] = [size] * rollout_world_size
+        deltas = {m.get("delta") is not None for m in metadata}
+        if len(deltas) != 1:
+            raise ValueError("fastsync: ranks disagree on engine_kwargs.fastsync.delta")
+        if deltas.pop():
+            sending = [r for r, lane in enumerate(actor.get("lane", [0])) if lane >= 0]
+            epochs = {metadata[r]["delta"].get("epoch") for r in sending}
+            epochs |= {m["delta"].get("epoch") for m in metadata[actor_world_size:]}
+            # diff only when every sender and every receiver holds the same base; else a full sync
+            against = epochs.pop() if len(epochs) == 1 else None
+            plan = [against, uuid.uuid4().hex]
+            actor["delta_plan"] = [plan] * actor_world_size
+            rollout["delta_plan"] = [plan] * rollout_world_size
         return actor, rollout
 
     def init_process_group(self, **kwargs: Any) -> None:
         self._receiving = None
+        plan = kwargs.pop("delta_plan", None)
+        self._delta_plan = (plan[0], str(plan[1])) if plan else None
+        if self.delta and self._delta_plan is None:
+            raise TransportError("fastsync: delta=true but the topology carries no delta_plan")
         self.transport.init_process_group(**kwargs)
         rank = kwargs.get("rank")
         if isinstance(rank, int) and rank > 0:
@@ -317,21 +357,51 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         if size is None:
             raise TransportError("fastsync: send_weights before init_process_group (bucket size unknown)")
         align = (lambda _name, tensor: leading_slice_bytes(tensor)) if self.align_experts else None
+        encoder = self.delta_encoder
+        if encoder is not None and self._delta_plan is not None:
+            encoder.begin(*self._delta_plan)
+            if isinstance(self.transport, LanesTransport):
+                self.transport.encode_item = encoder.encode  # after the plan: each sender its share
+            else:
+                weights = encoder.stream(weights)
         stats = await self.transport.send(weights, align=align)
         self.model_bytes = getattr(self.transport, "model_bytes", None) or stats.bytes
         self.last_metrics = stats.as_metrics()
+        if encoder is not None and self._delta_plan is not None:
+            encoder.commit()
+            if not isinstance(self.transport, LanesTransport):
+                self.model_bytes = encoder.stats.model_bytes
+            self.last_metrics.update(encoder.stats.as_metrics(encoder.full_syncs))
         return dict(self.last_metrics)
 
     async def receive_weights(  # type: ignore[override]
         self, global_steps: int | None = None
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         receiving = self._receiving
+        decoder = self.delta_decoder if self._delta_plan is not None else None
+        decode = None
+        if decoder is not None and self._delta_plan is not None:
+            rank = getattr(self.transport, "rank", "?")
+            decoder.begin(*self._delta_plan, who=f"delta sync, rollout rank {rank}")
+            if isinstance(self.transport, LanesTransport):
+                self.transport.decode_item = decoder.decode  # before the lanes' exactly-once tally
+            else:
+                decode = decoder.decode
         stream = self.transport.receive()
         if not isinstance(stream, AsyncGenerator):  # a third-party transport's iterator
             stream = _as_generator(stream)
         if receiving is not None:
             receiving.stream = stream
         async for item in stream:
+            if decode is not None:
+                try:
+                    item = decode(*item)
+                except Exception as exc:
+                    # the transport's stream is suspended at its yield: fail it with the reason, so
+                    # the sender learns it at once
+                    with contextlib.suppress(BaseException):
+                        await stream.athrow(exc)
+                    raise
             yield item
             del item  # keep no reference to a tensor the consumer has moved on from
             if receiving is not None:
@@ -341,6 +411,9 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         stats = self.transport.last_stats
         if stats is not None:
             self.last_metrics = stats.as_metrics()
+        if decoder is not None:
+            decoder.commit()
+            self.last_metrics.update(decoder.stats.as_metrics(decoder.full_syncs))
 
     async def end_receive(self, error: BaseException | None) -> None:
         """The consumer of this sync's :meth:`receive_weights` is done (verl's worker method returned,

@@ -1,0 +1,323 @@
+"""The delta codec (:mod:`verl_fastsync.delta.codec`): bit-exact round trips for every dtype's bytes and
+changed fraction, odd and empty sizes, NaN payloads and signed zeros compared as bits; the raw fallback;
+every truncation and every corrupted byte of an encoding raises instead of decoding wrong bytes; a failed
+in-place decode leaves the base as it was."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_fastsync.delta import codec
+from verl_fastsync.delta.codec import (
+    BLOCK,
+    HEADER,
+    Delta,
+    DeltaCorruptedError,
+    DeltaDigestError,
+    DeltaError,
+    Kind,
+    as_bytes,
+    decode,
+    element_width,
+    encode,
+    sparse_size,
+)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int32, torch.int64, torch.bool]
+FRACTIONS = [0.0, 0.02, 0.5, 1.0]
+
+
+def _tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) < 0.5
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), (n,), generator=g, dtype=dtype)
+
+
+def _changed(base: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, int]:
+    """``base`` with exactly ``round(fraction * n)`` elements changed (every changed one differs in its
+    bits), and that count."""
+    n = base.numel()
+    count = round(fraction * n)
+    where = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]
+    new = base.clone()
+    if base.dtype == torch.bool:
+        new[where] = ~base[where]
+    else:  # flip the lowest bit: the smallest change an optimizer step makes to a bf16 value
+        bits = new.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[base.element_size()])
+        bits[where] ^= 1
+    return new, count
+
+
+def _bits(buffer: object) -> bytes:
+    return as_bytes(buffer).tobytes()
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_is_bit_exact_for_every_dtype_and_changed_fraction(
+    dtype: torch.dtype, fraction: float
+) -> None:
+    base = _tensor(dtype, 3 * BLOCK + 17, seed=1)  # several index blocks, a partial last one
+    new, count = _changed(base, fraction, seed=2)
+    delta = encode(base, new, base.element_size())
+    assert delta.size == new.numel() * new.element_size()
+    assert delta.kind is (Kind.SPARSE if fraction <= 0.02 else Kind.RAW)
+    assert delta.changed == (count if delta.kind is Kind.SPARSE else None)
+    wire = delta.tobytes()
+    assert len(wire) == delta.nbytes
+    assert _bits(decode(base, wire)) == _bits(new)
+    in_place = base.clone()  # the receiver's way: the base becomes the new bytes
+    decode(in_place, wire, out=in_place)
+    assert _bits(in_place) == _bits(new)
+    sender = base.clone()  # the sender's way: its base becomes what it sent
+    assert encode(sender, new, base.element_size(), update_base=True).tobytes() == wire
+    assert _bits(sender) == _bits(new)
+
+
+def test_a_bf16_bucket_with_2_percent_changed_costs_under_5_percent_of_its_bytes() -> None:
+    base = _tensor(torch.bfloat16, 1 << 20, seed=3)
+    new, count = _changed(base, 0.02, seed=4)
+    delta = encode(base, new, 2)
+    assert delta.kind is Kind.SPARSE and delta.payload_bytes == sparse_size(2 << 20, 2, count)
+    assert delta.nbytes < 0.042 * (2 << 20)
+    unchanged = encode(base, base.clone(), 2)
+    assert unchanged.changed == 0 and unchanged.nbytes < 200  # counts per block, nothing else
+
+
+def test_bits_not_float_equality_decide_what_changed() -> None:
+    # -0.0 vs 0.0 compare equal as floats; NaNs with other payloads compare unequal to everything,
+    # the same NaN included: the codec must see neither as floats
+    base = torch.tensor([0.0, -0.0, 1.0, 0.0, 2.0, 3.0] + [1.0] * 10, dtype=torch.bfloat16).repeat(40)
+    bits = base.view(torch.int16)
+    bits[4::16] = 0x7FC1  # a quiet NaN with payload 1
+    new = base.clone()
+    new[0::16] = -0.0  # 0.0 -> -0.0: equal as floats, other bits
+    new[1::16] = 0.0  # -0.0 -> 0.0
+    new.view(torch.int16)[4::16] = 0x7FC2  # another NaN payload
+    new.view(torch.int16)[5::16] = 0x7FC1  # 3.0 -> NaN
+    # elements 2 (1.0) and 3 (0.0) stay, the NaN at 4 changes payload: 4 of every 16 elements changed
+    delta = encode(base, new, 2, max_ratio=1.0)
+    assert delta.kind is Kind.SPARSE and delta.changed == 4 * 40
+    out = decode(base, delta.tobytes())
+    assert out.tobytes() == _bits(new)
+    assert (out.view(np.uint16)[4::16] == 0x7FC2).all() and (out.view(np.uint16)[0::16] == 0x8000).all()
+    same_nan = base.clone()  # an unchanged NaN is unchanged, though NaN != NaN
+    assert encode(base, same_nan, 2).changed == 0
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("size", [0, 1, 3, 5, 7, 9, 2 * BLOCK + 3, 8 * BLOCK + 7])
+def test_empty_and_odd_lengths_round_trip_at_every_width(size: int, width: int) -> None:
+    rng = np.random.default_rng(size * 10 + width)
+    base = rng.integers(0, 256, size, dtype=np.uint8)
+    for fraction in (0.0, 0.01, 1.0):
+        new = base.copy()
+        new[rng.random(size) < fraction] ^= 0x80
+        new[size - size % width :] ^= 0xFF  # the bytes past the last whole element change too
+        delta = encode(base, new, width, max_ratio=1.0)
+        assert decode(base, delta.tobytes()).tobytes() == new.tobytes()
+    assert encode(base, base, width).size == size
+
+
+def test_changes_at_block_edges_and_the_last_element() -> None:
+    base = np.zeros(2 * (3 * BLOCK + 5), dtype=np.uint8)  # 3 blocks and 5 elements of 2 bytes
+    new = base.copy()
+    elements = new.view(np.uint16)
+    for i in (0, BLOCK - 1, BLOCK, 2 * BLOCK - 1, 3 * BLOCK, elements.size - 1):
+        elements[i] = 0xFFFF - i % 7
+    delta = encode(base, new, 2)
+    assert delta.kind is Kind.SPARSE and delta.changed == 6
+    assert decode(base, delta.tobytes()).tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("scan", [1, 7, 64, codec.SCAN])
+def test_changes_across_scan_slices_and_the_early_stop(monkeypatch: pytest.MonkeyPatch, scan: int) -> None:
+    monkeypatch.setattr(codec, "SCAN", scan)
+    rng = np.random.default_rng(scan)
+    base = rng.integers(0, 256, 4 * 1000 + 3, dtype=np.uint8)
+    for fraction in (0.0, 0.05, 0.2, 0.9):
+        new = np.where(
+            rng.random(base.size) < fraction, rng.integers(0, 256, base.size, dtype=np.uint8), base
+        )
+        expected = int(np.count_nonzero(base[:4000].view(np.uint32) != new[:4000].view(np.uint32)))
+        delta = encode(base, new, 4)
+        assert delta.changed == (expected if delta.kind is Kind.SPARSE else None)
+        assert delta.kind is (Kind.SPARSE if fraction < 0.2 else Kind.RAW)
+        assert decode(base, delta.tobytes()).tobytes() == new.tobytes()
+    late = base.copy()  # unchanged until the last slice, then every element changes: raw
+    late[-400:] ^= 0xFF
+    assert encode(base, late, 4, max_ratio=0.1).kind is Kind.RAW
+
+
+def test_raw_fallback_when_the_delta_is_not_smaller() -> None:
+    base = _tensor(torch.float32, 10_000, seed=5)
+    half, _ = _changed(base, 0.5, seed=6)  # sparse: 0.5 * (2 + 4) / 4 = 75% of the bytes
+    assert encode(base, half, 4, max_ratio=1.0).kind is Kind.SPARSE  # smaller: sparse
+    raw = encode(base, half, 4)  # past DEFAULT_MAX_RATIO: raw
+    assert raw.kind is Kind.RAW and raw.nbytes == HEADER.size + 40_000
+    assert np.shares_memory(raw.parts[0], as_bytes(half))  # raw sends the new bytes, uncopied
+    every, _ = _changed(base, 1.0, seed=7)  # sparse would be 150%: raw even at max_ratio 1
+    assert encode(base, every, 4, max_ratio=1.0).kind is Kind.RAW
+    tiny = np.zeros(4, dtype=np.uint8)  # the counts alone outweigh 4 bytes: raw
+    assert encode(tiny, tiny.copy(), 2, max_ratio=1.0).kind is Kind.RAW
+    sender = base.clone()
+    encode(sender, every, 4, update_base=True)
+    assert _bits(sender) == _bits(every)
+
+
+@given(
+    size=st.integers(0, 3000),
+    width=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**32 - 1),
+    fraction=st.floats(0.0, 1.0),
+    max_ratio=st.floats(0.0, 1.0),
+)
+@settings(max_examples=150, deadline=None)
+def test_round_trip_property(size: int, width: int, seed: int, fraction: float, max_ratio: float) -> None:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size, dtype=np.uint8)
+    new = np.where(rng.random(size) < fraction, rng.integers(0, 256, size, dtype=np.uint8), base)
+    delta = encode(base, new, width, max_ratio=max_ratio)
+    assert delta.kind is Kind.RAW or delta.payload_bytes <= max_ratio * size
+    assert decode(base, delta.tobytes()).tobytes() == new.tobytes()
+
+
+def _small(kind: str = "sparse") -> tuple[np.ndarray, np.ndarray, bytes]:
+    """A 601-byte base, the new bytes (3 of 300 elements and the odd tail byte changed) and their
+    encoding of ``kind``."""
+    base = np.arange(300, dtype=np.uint16).view(np.uint8).copy()  # 600 bytes
+    new = base.copy()
+    new.view(np.uint16)[[3, 100, 299]] += 1
+    new = np.concatenate([new, np.array([7], dtype=np.uint8)])  # an odd tail byte too
+    base = np.concatenate([base, np.array([9], dtype=np.uint8)])
+    delta = encode(base, new, 2, max_ratio=0.5 if kind == "sparse" else 0.0)
+    assert delta.kind is Kind[kind.upper()]
+    return base, new, delta.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["sparse", "raw"])
+def test_every_truncation_raises_a_clear_error(kind: str) -> None:
+    base, _new, wire = _small(kind)
+    for cut in range(len(wire)):
+        with pytest.raises(DeltaCorruptedError, match=r"truncated|header|payload|magic"):
+            decode(base, wire[:cut])
+    with pytest.raises(DeltaCorruptedError, match="payload"):
+        decode(base, wire + b"\0")
+
+
+@pytest.mark.parametrize("kind", ["sparse", "raw"])
+def test_every_corrupted_byte_raises_and_leaves_an_in_place_base_unchanged(kind: str) -> None:
+    base, _new, wire = _small(kind)
+    for at in range(len(wire)):
+        for flip in (0x01, 0x80):
+            corrupted = bytearray(wire)
+            corrupted[at] ^= flip
+            target = base.copy()
+            with pytest.raises(DeltaCorruptedError):
+                decode(target, bytes(corrupted), out=target)
+            assert target.tobytes() == base.tobytes(), f"byte {at} ^ {flip:#x} left the base changed"
+
+
+def test_a_delta_against_another_base_raises_and_keeps_the_base() -> None:
+    base, _new, wire = _small()
+    other = base.copy()
+    other[10] ^= 1  # the receiver's base is not the sender's
+    kept = other.copy()
+    with pytest.raises(DeltaDigestError, match="another base"):
+        decode(other, wire, out=other)
+    assert other.tobytes() == kept.tobytes()
+    with pytest.raises(DeltaCorruptedError, match="601 bytes but the base has 600"):
+        decode(base[:600], wire)
+
+
+def test_argument_errors() -> None:
+    a = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(DeltaError, match="equal lengths"):
+        encode(a, np.zeros(9, dtype=np.uint8), 1)
+    with pytest.raises(DeltaError, match="width"):
+        encode(a, a, 3)
+    with pytest.raises(DeltaError, match="writable"):
+        encode(bytes(8), a, 1, update_base=True)
+    with pytest.raises(DeltaError, match="contiguous"):
+        as_bytes(torch.zeros(4, 4).t())
+    with pytest.raises(DeltaError, match="overlaps"):
+        big = np.zeros(16, dtype=np.uint8)
+        decode(big[:8], encode(big[:8], a, 1).tobytes(), out=big[4:12])
+
+
+def test_torch_tensors_in_and_out_0d_and_empty() -> None:
+    for base, new in [
+        (torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(-1.5, dtype=torch.bfloat16)),
+        (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)),
+        (torch.zeros(3, 5, dtype=torch.float16), torch.ones(3, 5, dtype=torch.float16)),
+    ]:
+        delta: Delta = encode(base, new, base.element_size())
+        target = base.clone()
+        decode(base, delta.tobytes(), out=target)  # into a tensor's own storage
+        assert _bits(target) == _bits(new)
+
+
+def test_memory_follows_the_changed_elements_not_the_bucket() -> None:
+    # a 16 MiB bf16 bucket, 1% changed: encoding and decoding in place allocate in proportion to the
+    # ~84k changed elements (indices, values, one compare slice), never a bucket-sized temporary
+    base = _tensor(torch.bfloat16, 8 << 20, seed=8)
+    new, count = _changed(base, 0.01, seed=9)
+    sender, receiver = base.clone(), base.clone()
+    tracemalloc.start()
+    try:
+        delta = encode(sender, new, 2, update_base=True)
+        encode_peak = tracemalloc.get_traced_memory()[1]
+        wire = np.frombuffer(delta.tobytes(), dtype=np.uint8)
+        tracemalloc.reset_peak()
+        decode(receiver, wire, out=receiver)
+        decode_peak = tracemalloc.get_traced_memory()[1] - wire.nbytes
+    finally:
+        tracemalloc.stop()
+    assert delta.kind is Kind.SPARSE and delta.changed == count
+    assert encode_peak < 4 << 20, encode_peak  # a bucket-sized mask alone would be 8 MiB
+    assert decode_peak < 4 << 20, decode_peak
+    assert _bits(sender) == _bits(new) == _bits(receiver)
+
+
+def test_the_measurement_script_runs_and_checks_what_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "delta_codec.py"
+    spec = importlib.util.spec_from_file_location("delta_codec_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    rows = bench.run(1e-6, steps=1, bucket=1 << 20, comps=bench.compressors())
+    assert [row.step for row in rows] == ["1", "re-init"]
+    assert 0.0 < rows[0].changed < 0.2 and rows[0].kinds == {"SPARSE": rows[0].raw // (1 << 20) + 1}
+    assert rows[1].changed > 0.9 and set(rows[1].kinds) == {"RAW"}
+    assert rows[0].size["codec"] < 0.2 * rows[0].raw and "xor+zlib1" in rows[0].size
+    assert "| 1e-06 | re-init |" in bench.table(rows)
+
+
+def test_element_width_divides_every_itemsize_in_a_bucket() -> None:
+    assert element_width([2]) == 2 and element_width([2, 4, 2]) == 2 and element_width([4, 8]) == 4
+    assert element_width([1, 2]) == 1 and element_width([16]) == 8 and element_width([]) == 8
+    assert element_width([t.itemsize for t in DTYPES]) == 1  # bool and int8 are one byte
+
+
+@pytest.mark.parametrize("changed", [1, 2, 3, 4, 5])
+def test_max_ratio_bounds_the_payload_exactly_padding_included(changed: int) -> None:
+    base = np.zeros(1000, dtype=np.uint8)
+    new = base.copy()
+    new.view(np.uint16)[:changed] = 1
+    exact = sparse_size(1000, 2, changed) / 1000
+    assert encode(base, new, 2, max_ratio=exact).kind is Kind.SPARSE
+    assert encode(base, new, 2, max_ratio=exact - 1e-9).kind is Kind.RAW

@@ -1,0 +1,238 @@
+"""Delta sync of a named-tensor stream (:mod:`verl_fastsync.delta.stream`), in-process: every yielded
+tensor of many delta syncs equals a full sync of the same weights, byte for byte; bases stay in step
+or the next sync is full; a wrong base fails loudly, never yields wrong bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from verl_fastsync.delta.stream import DELTA_PREFIX, DeltaDecoder, DeltaEncoder, DeltaSyncError
+
+Model = list[tuple[str, torch.Tensor]]
+
+
+def _digest(name: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], torch.dtype, str]:
+    data = tensor.detach().contiguous().reshape(-1)
+    raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    return name, tuple(tensor.shape), tensor.dtype, hashlib.sha256(raw).hexdigest()
+
+
+def _model(gen: torch.Generator) -> Model:
+    """bf16/fp16/fp32 weights, int and bool buffers, an empty and a 0-d tensor, a non-contiguous view."""
+    wide = torch.randn(64, 96, generator=gen)
+    return [
+        ("embed.weight", torch.randn(300, 64, generator=gen).to(torch.bfloat16)),
+        ("layer0.w", torch.randn(128, 64, generator=gen).to(torch.bfloat16)),
+        ("layer0.b", torch.randn(128, generator=gen).to(torch.float16)),
+        ("master", torch.randn(2000, generator=gen)),
+        ("steps", torch.arange(50, dtype=torch.int64)),
+        ("mask", torch.rand(333, generator=gen) > 0.5),
+        ("empty", torch.empty(0, 7, dtype=torch.bfloat16)),
+        ("scalar", torch.tensor(3.5)),
+        ("strided", wide[:, ::2]),
+    ]
+
+
+def _step(model: Model, gen: torch.Generator, fraction: float) -> Model:
+    """Change ``fraction`` of each floating tensor's values (and a few int/bool entries)."""
+    out: Model = []
+    for name, tensor in model:
+        new = tensor.clone()
+        flat = new.reshape(-1)
+        if flat.numel():
+            pick = torch.rand(flat.numel(), generator=gen) < fraction
+            if new.dtype == torch.bool:
+                flat[pick] = ~flat[pick]
+            elif new.dtype.is_floating_point:
+                noise = 0.01 * torch.randn(int(pick.sum()), generator=gen)
+                flat[pick] = (flat[pick].float() + noise).to(new.dtype)
+            else:
+                flat[pick] += 1
+        out.append((name, new))
+    return out
+
+
+def _sync(
+    encoder: DeltaEncoder, decoders: list[DeltaDecoder], model: Model, epoch: str, *, commit: bool = True
+) -> list[Model]:
+    """One sync through the codec: what every receiver yields (clones, as a consumer keeps them)."""
+    epochs = {encoder.epoch, *(d.epoch for d in decoders)}
+    against = epochs.pop() if len(epochs) == 1 else None
+    encoder.begin(against, epoch)
+    for decoder in decoders:
+        decoder.begin(against, epoch)
+    wire = [encoder.encode(name, tensor) for name, tensor in model]
+    got = [[decoder.decode(name, tensor) for name, tensor in wire] for decoder in decoders]
+    if commit:
+        encoder.commit()
+        for decoder in decoders:
+            decoder.commit()
+    return got
+
+
+def _steps() -> Iterator[tuple[int, Model]]:
+    gen = torch.Generator().manual_seed(0)
+    model = _model(gen)
+    yield 0, model
+    for step in range(1, 9):
+        model = _step(model, gen, 0.02 if step % 4 else 1.0)  # every 4th step changes (nearly) everything
+        yield step, model
+
+
+def test_many_delta_syncs_yield_exactly_what_a_full_sync_yields() -> None:
+    encoder, decoders = DeltaEncoder(), [DeltaDecoder(), DeltaDecoder()]
+    for step, model in _steps():
+        got = _sync(encoder, decoders, model, f"e{step}")
+        want = [_digest(n, t) for n, t in model]
+        for received in got:
+            assert [_digest(n, t) for n, t in received] == want, f"step {step}"
+        stats = encoder.stats
+        assert stats.delta_sync == (step > 0)
+        if step and step % 4:  # 2% changed: the sparse form, far fewer bytes
+            assert stats.delta_tensors >= 4
+            assert stats.wire_bytes < 0.2 * stats.model_bytes, stats
+            assert 0.0 < stats.changed_elements / stats.compared_elements < 0.1
+            assert decoders[0].stats.changed_elements == stats.changed_elements
+        if step and not step % 4:  # everything changed: each tensor goes raw, as itself
+            assert stats.delta_tensors == 0 and stats.wire_bytes == stats.model_bytes
+    assert encoder.full_syncs == 1 and decoders[0].full_syncs == 1
+
+
+def test_raw_tensors_go_as_themselves_and_deltas_under_the_reserved_prefix() -> None:
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(torch.Generator().manual_seed(1))
+    _sync(encoder, [decoder], model, "a")
+    encoder.begin("a", "b")
+    changed = [(n, t.clone()) for n, t in model]
+    changed[3][1][5] += 1.0  # one value of "master"
+    names = [encoder.encode(n, t)[0] for n, t in changed]
+    assert names[3] == DELTA_PREFIX + "master"
+    assert "empty" in names and "scalar" in names  # nothing to diff: as themselves
+
+
+def test_added_removed_reshaped_and_retyped_tensors() -> None:
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(torch.Generator().manual_seed(2))
+    _sync(encoder, [decoder], model, "a")
+    table = dict(model)
+    table["layer0.w"] = table["layer0.w"].reshape(64, 128).clone()  # reshaped
+    table["layer0.b"] = table["layer0.b"].to(torch.bfloat16)  # retyped, same bytes
+    table["new.w"] = torch.randn(40)  # added
+    del table["steps"]  # removed
+    model2 = list(table.items())
+    [got] = _sync(encoder, [decoder], model2, "b")
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in model2]
+    assert encoder.stats.raw_tensors >= 3
+    assert "steps" not in encoder.base and "steps" not in decoder.base  # removed from both bases
+    assert encoder.base_bytes == decoder.base_bytes == sum(t.numel() * t.element_size() for _, t in model2)
+
+
+def test_a_failed_sync_leaves_no_epoch_and_the_next_one_is_full() -> None:
+    gen = torch.Generator().manual_seed(3)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    _sync(encoder, [decoder], model, "a")
+    half = _step(model, gen, 0.02)
+    encoder.begin("a", "b")
+    decoder.begin("a", "b")
+    for name, tensor in half[:4]:  # the sync fails after 4 tensors: nobody commits
+        decoder.decode(*encoder.encode(name, tensor))
+    assert encoder.epoch is None and decoder.epoch is None
+    with pytest.raises(DeltaSyncError, match="diff against base a, this sender holds none"):
+        encoder.begin("a", "c")  # a stale topology cannot make it diff against a half-updated base
+    later = _step(half, gen, 0.02)
+    [got] = _sync(encoder, [decoder], later, "c")  # epochs differ: full
+    assert not encoder.stats.delta_sync and encoder.full_syncs == 2 and decoder.full_syncs == 2
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in later]
+    [got] = _sync(encoder, [decoder], _step(later, gen, 0.02), "d")
+    assert encoder.stats.delta_sync
+
+
+def test_a_consumer_that_writes_into_a_yielded_tensor_fails_the_next_delta_loudly() -> None:
+    gen = torch.Generator().manual_seed(4)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    [got] = _sync(encoder, [decoder], model, "a")
+    held = dict(got)
+    held["master"][0] += 1.0  # the consumer writes into what it was given
+    encoder.begin("a", "b")
+    decoder.begin("a", "b")
+    step = _step(model, gen, 0.02)
+    with pytest.raises(DeltaSyncError, match=r"tensor 'master': .*digest.*consumer write into a tensor"):
+        for name, tensor in step:
+            decoder.decode(*encoder.encode(name, tensor))
+
+
+def test_what_the_consumer_holds_is_never_written_by_a_later_sync() -> None:
+    gen = torch.Generator().manual_seed(5)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    [first] = _sync(encoder, [decoder], model, "a")
+    before = [_digest(n, t) for n, t in first]
+    for i in range(3):
+        model = _step(model, gen, 0.05)
+        _sync(encoder, [decoder], model, f"b{i}")
+    assert [_digest(n, t) for n, t in first] == before
+
+
+def test_bad_input_is_refused_naming_what_is_wrong() -> None:
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    encoder.begin(None, "a")
+    with pytest.raises(DeltaSyncError, match="reserved"):
+        encoder.encode(DELTA_PREFIX + "x", torch.zeros(3))
+    encoder.encode("x", torch.zeros(3))
+    with pytest.raises(DeltaSyncError, match="'x' came twice in one sync"):
+        encoder.encode("x", torch.zeros(3))
+    decoder.begin(None, "a")
+    with pytest.raises(DeltaSyncError, match="arrived as a delta in a full sync"):
+        decoder.decode(DELTA_PREFIX + "x", torch.zeros(40, dtype=torch.uint8))
+    other = DeltaDecoder()
+    other.epoch = "a"
+    other.begin("a", "b")
+    with pytest.raises(DeltaSyncError, match="receiver's base holds nothing under that name"):
+        encoder2 = DeltaEncoder()
+        encoder2.begin(None, "a")
+        encoder2.encode("w", torch.zeros(1000))
+        encoder2.commit()
+        encoder2.begin("a", "b")
+        update = torch.zeros(1000)
+        update[3] = 1.0
+        other.decode(*encoder2.encode("w", update))
+
+
+def test_the_stream_releases_each_producer_tensor() -> None:
+    """:meth:`DeltaEncoder.stream` over an async producer: items in order, the same bytes."""
+    encoder = DeltaEncoder()
+    encoder.begin(None, "a")
+    model = _model(torch.Generator().manual_seed(6))
+
+    async def produce() -> object:
+        for item in model:
+            yield item
+
+    async def collect() -> Model:
+        return [item async for item in encoder.stream(produce())]
+
+    got = asyncio.run(collect())
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in model]
+
+
+def test_a_base_the_consumer_let_go_of_is_rebuilt_in_place_one_it_holds_is_not() -> None:
+    gen = torch.Generator().manual_seed(7)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    [got] = _sync(encoder, [decoder], model, "a")
+    kept = dict(got)["master"]  # the consumer keeps one tensor, lets go of the others
+    del got
+    where = {name: entry.data.data_ptr() for name, entry in decoder.base.items() if entry.data.numel()}
+    model = _step(model, gen, 0.02)
+    [got] = _sync(encoder, [decoder], model, "b")
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in model]
+    moved = {name for name, ptr in where.items() if decoder.base[name].data.data_ptr() != ptr}
+    assert moved == {"master"}, moved  # only the held one got new memory
+    assert kept.data_ptr() == where["master"]

@@ -1,0 +1,363 @@
+"""Delta sync of a named-tensor stream (``engine_kwargs.fastsync.delta=true``).
+
+The sender keeps the bytes of every tensor it sent (the *base*) and sends each tensor as its difference
+from them; each receiver keeps what it received and rebuilds the full tensor before yielding it, so the
+consumer sees exactly what a full sync yields. Everything here works on named tensors, above any
+transport: a transport moves what :class:`DeltaEncoder` yields like any other tensors.
+
+What goes on the wire, per tensor:
+
+* a tensor without a usable base (first sync, a tensor added, reshaped or retyped, or one whose delta is
+  not at most ``max_ratio`` of its bytes) goes as itself, under its own name: no header, no copy;
+* otherwise a ``uint8`` tensor named :data:`DELTA_PREFIX` + name: a header (dtype, shape, padded to 8
+  bytes) and a :mod:`~verl_fastsync.delta.codec` encoding (sparse blocked index/value pairs at the
+  element width, with the xxh3-64 digest of the new bytes). The receiver rebuilds the tensor from its
+  base and checks that digest: a wrong base never yields wrong bytes, it fails the sync.
+
+**Bases and epochs.** Both sides name their base with an *epoch* (the id of the sync it came from).
+A sync diffs against a base only when the sender and every receiver hold the same epoch (the engine
+compares them in ``build_topology``, the handshake verl already runs); otherwise the sync is *full*:
+every tensor goes as itself and every side rebuilds its base. A side adopts the new epoch only when
+its part of the sync ended cleanly; a sync that fails on a side leaves that side with no epoch, so the
+next sync is full (a failed sync may have updated part of the base: it is never used). Tensors not
+sent in a sync leave the base when the sync ends (a tensor removed from the model).
+
+**Memory.** The base is the model's bytes in host memory on the sending rank (its share, with several
+senders) and on every receiving rank. A receiver lends the consumer a view of the base it rebuilt; a
+base the consumer still holds is never written again (the next sync rebuilds that tensor into new
+memory and drops the old one), a base it let go of is rebuilt in place. So the consumer may hold what
+it was given for as long as it likes. A consumer that writes into a yielded tensor changes the base;
+the next delta sync then fails its digest check (naming the tensor) and the sync after it is full.
+
+Imports torch, numpy and :mod:`verl_fastsync.delta.codec` only (no verl, no transport).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Final
+
+import numpy as np
+import torch
+
+from verl_fastsync.delta.codec import (
+    DEFAULT_MAX_RATIO,
+    HEADER,
+    DeltaError,
+    Kind,
+    as_bytes,
+    decode,
+    encode,
+)
+from verl_fastsync.io.lending import Lease, lend
+
+__all__ = [
+    "DELTA_PREFIX",
+    "DeltaDecoder",
+    "DeltaEncoder",
+    "DeltaStats",
+    "DeltaSyncError",
+]
+
+DELTA_PREFIX: Final = "__fastsync_delta__/"
+"""Name prefix of a tensor sent as a delta (a model tensor may not be named so)."""
+
+_TENSOR_HEADER: Final = struct.Struct("<4sBBH")
+"""magic, version, ndim, dtype name length; then the dtype name, ``ndim`` int64 dims, zero padding to 8."""
+_MAGIC: Final = b"FSDT"
+_VERSION: Final = 1
+_WIDTHS: Final = (1, 2, 4, 8)
+_SPARSE_COUNT: Final = struct.Struct("<Q")
+"""A sparse encoding's payload starts with its count of changed elements."""
+
+
+class DeltaSyncError(DeltaError):
+    """A delta sync cannot go on: a receiver lacks the base a delta names, or the rebuilt bytes are not
+    the sender's. The sync fails; the next one is full."""
+
+
+@dataclasses.dataclass
+class DeltaStats:
+    """One side's delta figures for one sync (``fastsync/transfer/delta_*`` metrics)."""
+
+    delta_sync: bool = False
+    """The sync diffed against a base (else: full)."""
+    model_bytes: int = 0
+    """Bytes of the tensors (what a full sync moves)."""
+    wire_bytes: int = 0
+    """Bytes of what went on the wire instead."""
+    delta_tensors: int = 0
+    raw_tensors: int = 0
+    changed_elements: int = 0
+    """Elements that differ from the base, over the tensors sent as deltas."""
+    compared_elements: int = 0
+    """Elements of the tensors sent as deltas."""
+
+    def as_metrics(self, full_syncs: int) -> dict[str, float]:
+        changed = self.changed_elements / self.compared_elements if self.compared_elements else 0.0
+        return {
+            "fastsync/transfer/delta_sync": float(self.delta_sync),
+            "fastsync/transfer/delta_full_syncs": float(full_syncs),
+            "fastsync/transfer/delta_model_bytes": float(self.model_bytes),
+            "fastsync/transfer/delta_wire_bytes": float(self.wire_bytes),
+            "fastsync/transfer/delta_tensors": float(self.delta_tensors),
+            "fastsync/transfer/delta_raw_tensors": float(self.raw_tensors),
+            "fastsync/transfer/delta_changed_fraction": changed,
+        }
+
+
+def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``tensor``'s bytes as a flat contiguous ``uint8`` CPU tensor, and whether that is a copy (a
+    device tensor or a non-contiguous one) rather than a view of ``tensor``'s memory."""
+    data = tensor.detach()
+    copied = data.device.type != "cpu" or not data.is_contiguous()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    data = data.contiguous().reshape(-1)
+    if data.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8), True
+    return (data if data.dtype == torch.uint8 else data.view(torch.uint8)), copied
+
+
+def _width(tensor: torch.Tensor) -> int:
+    size = tensor.element_size()
+    return size if size in _WIDTHS else 1
+
+
+def _pack_header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    name = str(dtype).removeprefix("torch.").encode()
+    head = _TENSOR_HEADER.pack(_MAGIC, _VERSION, len(shape), len(name)) + name
+    head += struct.pack(f"<{len(shape)}q", *shape)
+    return head + b"\0" * (-len(head) % 8)
+
+
+def _unpack_header(data: np.ndarray, peer: str) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """dtype, shape and the header's length of a delta tensor's bytes."""
+    if data.size < _TENSOR_HEADER.size:
+        raise DeltaSyncError(f"{peer}: a delta tensor of {data.size} bytes is shorter than its header")
+    magic, version, ndim, name_len = _TENSOR_HEADER.unpack_from(data.data)
+    if magic != _MAGIC or version != _VERSION:
+        raise DeltaSyncError(
+            f"{peer}: not a verl-fastsync delta tensor (magic {magic!r}, version {version}; this side "
+            f"speaks {_MAGIC!r} version {_VERSION}): install the same verl-fastsync on both sides"
+        )
+    at = _TENSOR_HEADER.size
+    name = bytes(data[at : at + name_len]).decode()
+    at += name_len
+    shape = struct.unpack_from(f"<{ndim}q", data.data, at)
+    at += 8 * ndim
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DeltaSyncError(f"{peer}: a delta tensor names dtype {name!r}, which this torch does not know")
+    return dtype, tuple(int(d) for d in shape), at + (-at % 8)
+
+
+@dataclasses.dataclass
+class _Base:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: torch.Tensor
+    """Flat ``uint8`` host bytes."""
+    lease: Lease | None = None
+    """A receiver's: what the consumer was given of :attr:`data` (while active, never written)."""
+
+    def writable(self) -> bool:
+        """The consumer holds nothing of this base: the next sync may rebuild it in place."""
+        return self.lease is not None and not self.lease.active
+
+
+class _Side:
+    """What the sender and a receiver share: the base, its epoch, the sync's bookkeeping."""
+
+    role = "side"
+
+    def __init__(self) -> None:
+        self.base: dict[str, _Base] = {}
+        self.epoch: str | None = None
+        """Epoch of the base (None: no usable base)."""
+        self.full_syncs = 0
+        """Full syncs this side ran (the first one included)."""
+        self.stats = DeltaStats()
+        self.who = "delta sync"
+        self._against: str | None = None
+        self._next: str | None = None
+        self._seen: set[str] = set()
+
+    def begin(self, against: str | None, next_epoch: str, who: str = "delta sync") -> None:
+        """A sync starts: diff against the base of epoch ``against`` (None: a full sync), and name the
+        base it leaves ``next_epoch``."""
+        if against is not None and against != self.epoch:
+            raise DeltaSyncError(
+                f"{who}: the topology says diff against base {against}, this {self.role} holds "
+                f"{self.epoch or 'none'} (was the topology built from stale metadata?)"
+            )
+        self._against, self._next, self.who = against, next_epoch, who
+        self.epoch = None  # from here the base changes: usable again only after commit()
+        self._seen = set()
+        self.stats = DeltaStats(delta_sync=against is not None)
+        if against is None:
+            self.full_syncs += 1
+
+    def _take(self, name: str) -> None:
+        if name in self._seen:
+            raise DeltaSyncError(f"{self.who}: tensor {name!r} came twice in one sync")
+        self._seen.add(name)
+
+    def commit(self) -> None:
+        """This side's part of the sync ended cleanly: the base is the new epoch's; tensors not sent
+        in it leave the base."""
+        for name in set(self.base) - self._seen:
+            del self.base[name]
+        self._seen = set()
+        self.epoch = self._next
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(entry.data.numel() for entry in self.base.values())
+
+
+class DeltaEncoder(_Side):
+    """The sender's side: its base and epoch. Per sync: :meth:`begin`, :meth:`encode` for each tensor
+    (or :meth:`stream`), then :meth:`commit` when the sync ended cleanly (else nothing: it stays
+    without an epoch and the next sync is full)."""
+
+    role = "sender"
+
+    def __init__(self, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
+        super().__init__()
+        self.max_ratio = max_ratio
+
+    def encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """What to send for ``name`` (see the module docstring); the base holds ``tensor``'s bytes after."""
+        if name.startswith(DELTA_PREFIX):
+            raise DeltaSyncError(f"{self.who}: tensor name {name!r} starts with reserved {DELTA_PREFIX!r}")
+        self._take(name)
+        new, copied = _host_bytes(tensor)
+        shape = tuple(tensor.shape)
+        stats = self.stats
+        stats.model_bytes += new.numel()
+        held = self.base.get(name)
+        usable = (
+            self._against is not None
+            and held is not None
+            and held.dtype == tensor.dtype
+            and held.shape == shape
+            and held.data.numel() == new.numel()
+        )
+        if not usable or held is None:
+            self.base[name] = _Base(tensor.dtype, shape, new if copied else new.clone())
+            stats.raw_tensors += 1
+            stats.wire_bytes += new.numel()
+            return name, tensor
+        width = _width(tensor)
+        delta = encode(held.data, new, width, max_ratio=self.max_ratio, update_base=True)
+        if delta.kind is Kind.RAW:
+            stats.raw_tensors += 1
+            stats.wire_bytes += new.numel()
+            return name, tensor
+        head = _pack_header(tensor.dtype, shape)
+        wire = np.empty(len(head) + delta.nbytes, dtype=np.uint8)
+        wire[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        at = len(head)
+        header = delta.header
+        wire[at : at + len(header)] = np.frombuffer(header, dtype=np.uint8)
+        at += len(header)
+        for part in delta.parts:
+            wire[at : at + part.nbytes] = part
+            at += part.nbytes
+        stats.delta_tensors += 1
+        stats.wire_bytes += wire.nbytes
+        stats.changed_elements += int(delta.changed or 0)
+        stats.compared_elements += new.numel() // width
+        return DELTA_PREFIX + name, torch.from_numpy(wire)
+
+    async def stream(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """``weights`` encoded one by one (the producer's tensor is released before the next)."""
+        if isinstance(weights, AsyncIterable):
+            async for name, tensor in weights:
+                item = self.encode(name, tensor)
+                del tensor
+                yield item
+                del item
+        else:
+            for name, tensor in weights:
+                item = self.encode(name, tensor)
+                del tensor
+                yield item
+                del item
+
+
+class DeltaDecoder(_Side):
+    """A receiver's side: its base and epoch. Per sync: :meth:`begin`, :meth:`decode` for each
+    received tensor, :meth:`commit` when the stream ended cleanly."""
+
+    role = "receiver"
+
+    def decode(self, name: str, received: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """The full tensor for what arrived under ``name``; it becomes this side's base (a new tensor
+        each sync: what the consumer holds from an earlier sync is never written)."""
+        stats = self.stats
+        stats.wire_bytes += received.numel() * received.element_size()
+        if not name.startswith(DELTA_PREFIX):
+            self._take(name)
+            data, copied = _host_bytes(received)
+            held = self.base.get(name)
+            if held is not None and held.writable() and held.data.numel() == data.numel():
+                held.data.copy_(data)  # the consumer let go of the last one: reuse its memory
+                data = held.data
+            elif not copied:
+                data = data.clone()  # never the transport's (possibly lent) memory
+            stats.raw_tensors += 1
+            stats.model_bytes += data.numel()
+            return name, self._keep(name, received.dtype, tuple(received.shape), data)
+        name = name[len(DELTA_PREFIX) :]
+        self._take(name)
+        if self._against is None:
+            raise DeltaSyncError(f"{self.who}: {name!r} arrived as a delta in a full sync")
+        wire = as_bytes(_host_bytes(received)[0])
+        dtype, shape, at = _unpack_header(wire, self.who)
+        held = self.base.get(name)
+        if held is None or held.dtype != dtype or held.shape != shape:
+            raise DeltaSyncError(
+                f"{self.who}: {name!r} arrived as a delta of a {dtype} {list(shape)} tensor, this "
+                f"receiver's base holds {'nothing' if held is None else f'{held.dtype} {list(held.shape)}'} "
+                "under that name"
+            )
+        # in place when the consumer let go of the last one (the codec restores it if it fails)
+        out = held.data if held.writable() else torch.empty(held.data.numel(), dtype=torch.uint8)
+        try:
+            decode(held.data, wire[at:], out=out)
+        except DeltaError as exc:
+            raise DeltaSyncError(
+                f"{self.who}: tensor {name!r}: {exc} (did the consumer write into a tensor it was given "
+                "in the last sync? the next sync is full)"
+            ) from exc
+        width = _width(torch.empty(0, dtype=dtype))
+        stats.delta_tensors += 1
+        stats.model_bytes += out.numel()
+        stats.compared_elements += out.numel() // width
+        stats.changed_elements += int(_SPARSE_COUNT.unpack_from(wire.data, at + HEADER.size)[0])
+        return name, self._keep(name, dtype, shape, out)
+
+    def _keep(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], data: torch.Tensor
+    ) -> torch.Tensor:
+        """``data`` becomes the base of ``name``; the consumer gets a lent view of it (the lease says
+        when it let go, so that the next sync can rebuild it in place)."""
+        if data.numel() == 0:
+            self.base[name] = _Base(dtype, shape, data)
+            return torch.empty(shape, dtype=dtype)
+        lent, lease = lend(data)
+        self.base[name] = _Base(dtype, shape, data, lease)
+        return _as_tensor(lent, dtype, shape)
+
+
+def _as_tensor(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Flat bytes ``data`` as a ``dtype`` tensor of ``shape`` (sharing its memory)."""
+    if data.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    return data.view(dtype).reshape(shape)

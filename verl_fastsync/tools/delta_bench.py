@@ -1,0 +1,183 @@
+"""Delta sync figures (``engine_kwargs.fastsync.delta``): full vs delta syncs of the same weights, in
+the same run, across two simulated hosts (:class:`~verl_fastsync.tools.netns_star.NamespaceStar` with
+one leaf: the trainer's namespace, the rollout's, one veth link, unshaped or ``tc``-shaped).
+
+The weights come from real optimizer steps: the trainer rank trains a stack of MLP blocks with AdamW
+(fp32 master weights, a random regression batch per step) and every sync sends the ``bfloat16`` cast,
+as verl's FSDP trainer does. Per learning rate, an untimed first sync, then ``steps`` optimizer steps,
+then one re-initialisation (every value changes: the raw fallback). Each step is synced once by the
+``delta=false`` engine and once by the ``delta=true`` one (both kept from step to step as in verl); a
+sync is timed from ``send_weights`` starting to the rollout's consumer holding every byte (copied into
+its parameters, checked by xxh3 digest against the trainer's weights).
+
+Run ``python -m verl_fastsync.tools.delta_bench [--width 1024] [--layers 8] [--gbit 10,0]``
+(``0``: unshaped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_fastsync.tools.netns_star import NamespaceStar
+from verl_fastsync.tools.netns_worker import NetnsWorker
+
+__all__ = ["DeltaBenchOptions", "format_delta", "run_delta"]
+
+_PEER = "verl_fastsync.tools.delta_bench_peer"
+MIB = 1 << 20
+
+
+@dataclass
+class DeltaBenchOptions:
+    width: int = 1024
+    layers: int = 8
+    steps: int = 3
+    lrs: tuple[float, ...] = (1e-6, 1e-5)
+    gbits: tuple[float, ...] = (10.0, 0.0)
+    transport: str = "gloo"
+    bucket_mib: int = 32
+    timeout_s: float = 300.0
+    seed: int = 0
+    engines: tuple[str, ...] = field(default=("full", "delta"))
+
+
+def _both(pairs: list[tuple[NetnsWorker, str, dict[str, Any]]], timeout_s: float) -> list[Any]:
+    ids = [(w, w.submit(fn, kw)) for w, fn, kw in pairs]
+    return [w.result(i, timeout_s) for w, i in ids]
+
+
+def _sync(trainer: NetnsWorker, rollout: NetnsWorker, name: str, t: float) -> dict[str, Any]:
+    ranks = [trainer, rollout]
+    metadata = _both([(w, f"{_PEER}:eng_prepare", {"name": name}) for w in ranks], t)
+    kwargs = rollout.call(f"{_PEER}:eng_topology", {"metadata": metadata}, t)
+    _both(
+        [(w, f"{_PEER}:eng_init", {"name": name, "kwargs": kw}) for w, kw in zip(ranks, kwargs, strict=True)],
+        t,
+    )
+    sent, got = _both(
+        [(trainer, f"{_PEER}:eng_send", {"name": name}), (rollout, f"{_PEER}:eng_receive", {"name": name})], t
+    )
+    _both([(w, f"{_PEER}:eng_finalize", {"name": name}) for w in ranks], t)
+    if sent["digest"] != got["digest"]:
+        raise RuntimeError(f"{name} sync: the rollout's weights differ from the trainer's")
+    metrics = sent["metrics"]
+    return {
+        "seconds": got["end"] - sent["start"],
+        "wire_bytes": metrics.get("fastsync/transfer/bytes", 0.0),
+        "delta_sync": metrics.get("fastsync/transfer/delta_sync", 0.0),
+    }
+
+
+def _link(gbit: float, opts: DeltaBenchOptions) -> list[dict[str, Any]]:
+    t = opts.timeout_s
+    rows: list[dict[str, Any]] = []
+    with NamespaceStar(1, gbit or None) as star:
+        trainer = star.spawn(star.leaves[0])
+        rollout = star.spawn(star.hub)
+        for name in opts.engines:
+            _both(
+                [
+                    (
+                        w,
+                        f"{_PEER}:eng_new",
+                        {
+                            "name": name,
+                            "transport": opts.transport,
+                            "delta": name == "delta",
+                            "trainer": w is trainer,
+                            "bucket": opts.bucket_mib * MIB,
+                            "timeout_s": t,
+                        },
+                    )
+                    for w in (trainer, rollout)
+                ],
+                t,
+            )
+        info = trainer.call(
+            f"{_PEER}:train_init", {"width": opts.width, "layers": opts.layers, "seed": opts.seed}, t
+        )
+        for name in opts.engines:  # untimed: both engines hold the starting weights
+            _sync(trainer, rollout, name, t)
+        for lr in opts.lrs:
+            plan = [(step, False) for step in range(1, opts.steps + 1)] + [(opts.steps + 1, True)]
+            for step, reinit in plan:
+                change = trainer.call(f"{_PEER}:train_step", {"lr": lr, "reinit": reinit}, t)
+                row: dict[str, Any] = {
+                    "gbit": gbit,
+                    "lr": lr,
+                    "step": "re-init" if reinit else step,
+                    "changed_fraction": change["changed_fraction"],
+                    "model_bytes": info["bytes"],
+                }
+                for name in opts.engines:
+                    row[name] = _sync(trainer, rollout, name, t)
+                rows.append(row)
+        for w in (trainer, rollout):
+            w.call(f"{_PEER}:close", {}, t)
+    return rows
+
+
+def run_delta(opts: DeltaBenchOptions) -> dict[str, Any]:
+    rows = [row for gbit in opts.gbits for row in _link(gbit, opts)]
+    return {"options": vars(opts), "rows": rows}
+
+
+def format_delta(result: dict[str, Any]) -> str:
+    opts = result["options"]
+    rows = result["rows"]
+    size = rows[0]["model_bytes"] / MIB if rows else 0.0
+    lines = [
+        f"# {opts['transport']}, {size:.0f} MiB of bf16 weights, {opts['bucket_mib']} MiB buckets; "
+        "full = delta=false, delta = delta=true, same weights, same run"
+    ]
+    lines.append(
+        f"{'link':>9} {'lr':>6} {'step':>7} {'changed':>8} {'full MiB':>8} {'delta MiB':>9} {'bytes x':>7} "
+        f"{'full s':>7} {'delta s':>7} {'time x':>6}"
+    )
+    for r in rows:
+        full, delta = r["full"], r["delta"]
+        link = f"{r['gbit']:g} Gbit" if r["gbit"] else "unshaped"
+        lines.append(
+            f"{link:>9} {r['lr']:6.0e} {r['step']!s:>7} {r['changed_fraction']:8.2%} "
+            f"{full['wire_bytes'] / MIB:8.1f} {delta['wire_bytes'] / MIB:9.1f} "
+            f"{full['wire_bytes'] / max(delta['wire_bytes'], 1):7.1f} "
+            f"{full['seconds']:7.3f} {delta['seconds']:7.3f} "
+            f"{full['seconds'] / delta['seconds']:6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_fastsync.tools.delta_bench")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lrs", default="1e-6,1e-5")
+    parser.add_argument("--gbit", default="10,0", help="link rates in Gbit/s, 0 = unshaped")
+    parser.add_argument("--transport", default="gloo")
+    parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    opts = DeltaBenchOptions(
+        width=args.width,
+        layers=args.layers,
+        steps=args.steps,
+        lrs=tuple(float(x) for x in args.lrs.split(",")),
+        gbits=tuple(float(x) for x in args.gbit.split(",")),
+        transport=args.transport,
+        bucket_mib=args.bucket_mib,
+    )
+    t0 = time.monotonic()
+    result = run_delta(opts)
+    print(json.dumps(result, indent=1) if args.json else format_delta(result))
+    print(f"# {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
