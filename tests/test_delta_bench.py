@@ -14,7 +14,6 @@ needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces
 
 
 @needs_netns
-@pytest.mark.verl
 @pytest.mark.timeout(900)
 def test_delta_bench_rows_follow_the_changed_values() -> None:
     before = list_netns()
