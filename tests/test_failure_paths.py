@@ -237,3 +237,37 @@ def test_memory_a_holding_consumer_lets_go_comes_back_at_once(transport: str) ->
             assert state["on_loan"] == 0 and state["spares"] <= 1, state
         else:
             assert state["lent"] == 0 and state["quarantined"] == 0, state
+
+
+@pytest.mark.timeout(12 * TIMEOUT_S)
+def test_a_load_error_mid_delta_reaches_the_trainer_and_the_next_sync_is_full() -> None:
+    """``delta=true`` through verl's worker method: a full sync, a delta sync, then the adapter fails
+    mid-delta: the trainer fails at once with the adapter's error; the next sync is full (neither
+    side diffs against the half-updated base) and exact; the one after diffs again, exact."""
+    with _cluster("shm", delta=True) as cluster:
+
+        def sync(step: int, **adapter: Any) -> tuple[dict[str, Any], str, Any]:
+            cluster.build_process_group()
+            cluster.post(0, "send", MODEL, 1, {"step": step})
+            cluster.post(1, "exec", RECEIVE.format(kw=repr(adapter)))
+            rollout = cluster.wait(1)
+            status, sent = cluster.wait_result(0, timeout=3 * TIMEOUT_S)
+            cluster.call_all("finalize")
+            if status == "ok":
+                assert rollout["status"] == "ok", rollout
+                assert [tuple(d) for d in rollout["digests"]] == expected_digests(MODEL, 1, step)
+            return rollout, status, sent
+
+        modes = []
+        for step in (0, 1):
+            _, status, sent = sync(step)
+            assert status == "ok", sent
+            modes.append(sent["metrics"]["fastsync/transfer/delta_sync"])
+        rollout, status, error = sync(2, fail_at=4)
+        assert rollout["status"] == "err" and status == "err", (rollout, error)
+        assert "load_weights failed on purpose at tensor 4" in error, error
+        for step in (3, 4):
+            _, status, sent = sync(step)
+            assert status == "ok", sent
+            modes.append(sent["metrics"]["fastsync/transfer/delta_sync"])
+        assert modes == [0.0, 1.0, 0.0, 1.0], modes
