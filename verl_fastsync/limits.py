@@ -1,6 +1,7 @@
 """The one rule of each bucket size and timeout, shared by every path (chunks, transports, the
 colocated path, the config parser): :func:`validate_timeout`, :func:`validate_bucket_size` and
-:data:`DEFAULT_TIMEOUT_S`. It imports nothing of the package and no torch, so the lowest layer
+:data:`DEFAULT_TIMEOUT_S`; and the host memory buckets are sized against
+(:func:`host_memory_available`). It imports nothing of the package and no torch, so the lowest layer
 (:mod:`verl_fastsync.chunks`) takes the bucket-size rule from here without knowing the config.
 """
 
@@ -41,3 +42,19 @@ def validate_bucket_size(bucket_size: object, what: str = "bucket_size", *, mib:
     if bucket_size <= 0:
         raise ValueError(f"{what} must be a positive number of bytes, got {bucket_size}")
     return bucket_size
+
+
+def host_memory_available() -> int:
+    """This host's available memory in bytes (``MemAvailable``; psutil where there is no
+    ``/proc/meminfo``): what ``bucket_bytes=auto`` sizes host buckets against and what doctor checks
+    a delta sync's base against."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_fastsync.config import ENGINE_KEY_PREFIX, KEY_PREFIX
+from verl_fastsync.limits import host_memory_available
 from verl_fastsync.tools.doctor_env import ENV_MODULES, ENV_ROUTE, RAY_ENV_PREFIX
 
 __all__ = ["OverrideError", "Overrides", "parse_overrides"]
@@ -206,17 +207,6 @@ MODEL_PATH_KEY = "actor_rollout_ref.model.path"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - non-Linux
-        pass
-    return None
-
-
 def _checkpoint_bytes(path: str) -> int | None:
     """Bytes of the weight files of a local checkpoint directory (None: not a local checkpoint)."""
     if not os.path.isdir(path):
@@ -233,13 +223,13 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
     bytes in host memory on the sending trainer rank and on every rollout rank. The model's size is
     read from the checkpoint files at ``actor_rollout_ref.model.path`` when that is a local
     directory; this host's ``MemAvailable`` must hold it (a problem if it cannot)."""
-    available = _mem_available() if available is None else available
+    available = host_memory_available() if available is None else available
     path = next(
         (o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == MODEL_PATH_KEY), None
     )
     size = _checkpoint_bytes(path) if path else None
     gib = 1 << 30
-    have = f"{available / gib:.1f} GiB available here" if available is not None else "host memory unknown"
+    have = f"{available / gib:.1f} GiB available here"
     if size is None:
         return None, (
             f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes (as synced) in host memory on the "
@@ -250,7 +240,7 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
         f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes in host memory on the sending trainer "
         f"rank and on every rollout rank: about {size / gib:.2f} GiB (the checkpoint at {path}), {have}"
     )
-    if available is not None and size > available:
+    if size > available:
         return (
             f"{ENGINE_KEY_PREFIX}.delta=true: the base needs about {size / gib:.2f} GiB of host memory "
             f"(the checkpoint at {path}) and this host has {available / gib:.2f} GiB available; "

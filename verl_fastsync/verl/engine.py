@@ -78,6 +78,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from verl_fastsync.chunks import leading_slice_bytes, validate_bucket_size
 from verl_fastsync.config import engine_bucket_size, parse_bucket_bytes
 from verl_fastsync.delta.stream import DeltaDecoder, DeltaEncoder
+from verl_fastsync.limits import host_memory_available
 from verl_fastsync.selection import parse_engine_kwargs
 from verl_fastsync.transports.base import (
     EngineTransport,
@@ -124,16 +125,7 @@ def free_memory_bytes(device: str) -> int:
 
         free, _total = get_torch_device().mem_get_info(dev)
         return int(free)
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - non-Linux
-        pass
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    return host_memory_available()
 
 
 def resolve_auto_bucket_size(free_bytes: list[tuple[str, int]], model_bytes: int | None = None) -> int:
