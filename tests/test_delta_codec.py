@@ -162,6 +162,91 @@ def test_changes_across_scan_slices_and_the_early_stop(monkeypatch: pytest.Monke
     assert encode(base, late, 4, max_ratio=0.1).kind is Kind.RAW
 
 
+@pytest.mark.parametrize("threads", [2, 5])
+def test_ranges_compared_in_threads_give_the_one_thread_encoding(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    # slices of 1000 elements (not a divisor of an index block: ranges must still start on one)
+    monkeypatch.setattr(codec, "SCAN", 1000)
+    rng = np.random.default_rng(threads)
+    base = rng.integers(0, 256, 2 * (5 * BLOCK + 123) + 1, dtype=np.uint8)
+    for fraction in (0.0, 0.001, 0.05, 0.2, 0.9):
+        new = np.where(
+            rng.random(base.size) < fraction, rng.integers(0, 256, base.size, dtype=np.uint8), base
+        )
+        monkeypatch.setattr(codec, "THREADS", 1)
+        serial = encode(base, new, 2)
+        monkeypatch.setattr(codec, "THREADS", threads)
+        sender = base.copy()
+        parallel = encode(sender, new, 2, update_base=True)
+        assert parallel.kind is serial.kind and parallel.tobytes() == serial.tobytes()
+        assert decode(base, parallel.tobytes()).tobytes() == new.tobytes()
+        assert sender.tobytes() == new.tobytes()  # the base is the new bytes, sparse or raw
+    # the first ranges find few changes and write them into the base, the last one spends the budget:
+    # raw, and the base still ends as the new bytes
+    late = base.copy()
+    late[-2 * BLOCK :] ^= 0xFF
+    sender = base.copy()
+    assert encode(sender, late, 2, max_ratio=0.2, update_base=True).kind is Kind.RAW
+    assert sender.tobytes() == late.tobytes()
+
+
+def test_a_sample_that_says_raw_skips_the_scan_and_errs_only_in_speed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(11)
+    size = 8 * codec.SAMPLE
+    base = rng.integers(0, 1 << 16, size, dtype=np.uint16)
+    stride = size // codec.SAMPLE
+
+    def no_scan(*args: object) -> None:
+        raise AssertionError("scanned although the sample said raw")
+
+    every = base ^ 0x5A5A  # re-initialised weights: the sample decides, nothing is scanned
+    with monkeypatch.context() as patched:
+        patched.setattr(codec, "_changes", no_scan)
+        sender = base.copy()
+        assert encode(sender, every, 2, update_base=True).kind is Kind.RAW
+        assert sender.tobytes() == every.tobytes()
+    sampled = base.copy()  # only the sampled elements changed (12.5%): the sample errs, raw all the same
+    sampled[::stride] ^= 1
+    assert encode(base, sampled, 2).kind is Kind.RAW
+    assert decode(base, encode(base, sampled, 2).tobytes()).tobytes() == sampled.tobytes()
+    unsampled = base ^ 1  # all but the sampled ones changed: the scan finds it and stops
+    unsampled[::stride] = base[::stride]
+    assert encode(base, unsampled, 2).kind is Kind.RAW
+    few = base.copy()  # a few changed, some of them sampled: scanned, sparse, exact
+    few[:: stride * 7] ^= 1
+    few[3::101] ^= 1
+    delta = encode(base, few, 2)
+    assert delta.kind is Kind.SPARSE and delta.changed == int(np.count_nonzero(base != few))
+    assert decode(base, delta.tobytes()).tobytes() == few.tobytes()
+
+
+def _encode_in_child(base: np.ndarray, new: np.ndarray, expected: bytes) -> None:
+    sys.exit(0 if encode(base, new, 2).tobytes() == expected else 3)
+
+
+def test_a_forked_child_encodes_with_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+
+    monkeypatch.setattr(codec, "SCAN", 1000)
+    monkeypatch.setattr(codec, "THREADS", 2)
+    rng = np.random.default_rng(12)
+    base = rng.integers(0, 256, 8 * BLOCK, dtype=np.uint8)
+    new = base.copy()
+    new[::97] ^= 1
+    expected = encode(base, new, 2).tobytes()  # the parent's threads exist now
+    child = multiprocessing.get_context("fork").Process(target=_encode_in_child, args=(base, new, expected))
+    child.start()
+    child.join(timeout=60)  # the parent's threads do not exist in the child: work given them never ends
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("a forked child's encode hung on the parent's thread pool")
+    assert child.exitcode == 0
+
+
 def test_raw_fallback_when_the_delta_is_not_smaller() -> None:
     base = _tensor(torch.float32, 10_000, seed=5)
     half, _ = _changed(base, 0.5, seed=6)  # sparse: 0.5 * (2 + 4) / 4 = 75% of the bytes

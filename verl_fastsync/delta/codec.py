@@ -21,15 +21,19 @@ the base back as it was when it raises, so a failed decode never leaves a half-u
 
 Buffers are flat ``uint8`` numpy arrays; :func:`as_bytes` views bytes-like objects, C-contiguous numpy
 arrays and contiguous CPU torch tensors as one without copying. Everything is vectorised numpy: the
-cost is a compare of base and new, a digest and work proportional to the changed elements. Imports
-numpy, torch, xxhash and the standard library only.
+cost is a compare of base and new (on :data:`THREADS` threads for a large tensor, skipped when an
+evenly spaced sample already shows the delta would not pay), a digest and work proportional to the
+changed elements. Imports numpy, torch, xxhash and the standard library only.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import struct
+import threading
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
@@ -183,27 +187,141 @@ SCAN: Final = 1 << 20
 """Elements compared at a time: the changed-mask of one slice stays in cache and is reused, so a
 bucket costs no mask of its own size, and counting stops at the slice where the delta stops paying."""
 
+THREADS: Final = max(1, min(8, len(os.sched_getaffinity(0))))
+"""Threads comparing one tensor's slices (numpy releases the GIL while it compares): the compare is
+most of a sparse encode's time, and a sending trainer rank's cores are idle while it syncs. At most 8:
+the compare is bound by memory bandwidth long before that."""
 
-def _changed(
-    old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger], most: float
-) -> npt.NDArray[np.int64] | None:
-    """Indices of the elements where ``old`` and ``new`` differ, ascending; None once there are more
-    than ``most``."""
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="fastsync-delta")
+        return _pool
+
+
+def _forget_threads() -> None:
+    """In a forked child: the parent's threads do not exist here (work given to them would never run)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
+
+
+class _Budget:
+    """The changed elements found so far by every slice of one compare, and the most that may be."""
+
+    def __init__(self, most: float) -> None:
+        self.most = most
+        self.found = 0
+        self._lock = threading.Lock()
+
+    def add(self, count: int) -> bool:
+        """Count ``count`` more; False once the total is past the most."""
+        with self._lock:
+            self.found += count
+            return self.found <= self.most
+
+    @property
+    def over(self) -> bool:
+        return self.found > self.most
+
+
+@dataclass
+class _Changes:
+    """The changed elements of one range of whole index blocks."""
+
+    counts: npt.NDArray[np.uint32]
+    """Changed elements per block of the range."""
+    low: npt.NDArray[np.uint16]
+    """Each changed element's index inside its block, ascending."""
+    values: npt.NDArray[np.unsignedinteger]
+    """The new values of the changed elements."""
+
+
+def _changes_in(
+    old: npt.NDArray[np.unsignedinteger],
+    new: npt.NDArray[np.unsignedinteger],
+    start: int,
+    stop: int,
+    budget: _Budget,
+    update_base: bool,
+) -> _Changes | None:
+    """The changed elements in ``[start, stop)`` (``start`` a multiple of :data:`BLOCK`); None once the
+    budget is spent (here or by another range). ``update_base``: ``old`` takes the new values."""
+    mask = np.empty(min(SCAN, stop - start), dtype=np.bool_)
+    found: list[npt.NDArray[np.int64]] = []
+    for at in range(start, stop, SCAN):
+        if budget.over:
+            return None
+        end = min(at + SCAN, stop)
+        np.not_equal(old[at:end], new[at:end], out=mask[: end - at])
+        if not budget.add(int(np.count_nonzero(mask[: end - at]))):
+            return None  # (counted before the indices are built: a fully changed slice costs no index)
+        index = np.flatnonzero(mask[: end - at])
+        if index.size:
+            found.append(index + (at - start))
+    index = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+    values = new[start:stop][index]
+    if update_base:
+        old[start:stop][index] = values
+    return _Changes(
+        np.bincount(index >> BLOCK_BITS, minlength=_blocks(stop - start)).astype(np.uint32),
+        index.astype(np.uint16),
+        values,
+    )
+
+
+def _changes(
+    old: npt.NDArray[np.unsignedinteger],
+    new: npt.NDArray[np.unsignedinteger],
+    most: float,
+    update_base: bool,
+) -> list[_Changes] | None:
+    """The changed elements of ``old`` and ``new``, by ranges in order; None once there are more than
+    ``most``. Tensors of several :data:`SCAN` slices are compared by :data:`THREADS` threads, each a
+    range of whole slices and index blocks; the count is shared, so every range stops once the delta
+    stops paying."""
     if most < 0:
         return None
-    mask = np.empty(min(SCAN, old.size), dtype=np.bool_)
-    found: list[npt.NDArray[np.int64]] = []
-    count = 0
-    for start in range(0, old.size, SCAN):
-        stop = min(start + SCAN, old.size)
-        np.not_equal(old[start:stop], new[start:stop], out=mask[: stop - start])
-        index = np.flatnonzero(mask[: stop - start])
-        count += index.size
-        if count > most:
-            return None
-        if index.size:
-            found.append(index + start)
-    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+    budget = _Budget(most)
+    slices = -(-old.size // SCAN)
+    ranges = min(THREADS, slices)
+    if ranges <= 1:
+        one = _changes_in(old, new, 0, old.size, budget, update_base)
+        return None if one is None else [one]
+    step = -(-slices // ranges) * SCAN
+    step = -(-step // BLOCK) * BLOCK  # ranges of whole index blocks: their counts join in order
+    pool = _threads()
+    parts = [
+        pool.submit(_changes_in, old, new, start, min(start + step, old.size), budget, update_base)
+        for start in range(0, old.size, step)
+    ]
+    wait(parts)  # every range is done with the base before anything is returned or raised
+    results = [part.result() for part in parts]
+    return None if any(r is None for r in results) else [r for r in results if r is not None]
+
+
+SAMPLE: Final = 16384
+"""Evenly spaced elements compared before a tensor of at least 4x as many is scanned."""
+
+
+def _sample_says_raw(
+    old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger], most: float
+) -> bool:
+    """A sample changed at 1.25x the fraction the sparse form can afford (re-initialised or heavily
+    trained weights): send raw without scanning, which would build a large index before its count
+    stops it. Only speed depends on it: a sample that errs either way still yields exact bytes."""
+    if old.size < 4 * SAMPLE:
+        return False
+    stride = old.size // SAMPLE
+    changed = int(np.count_nonzero(old[::stride] != new[::stride]))
+    return changed / -(-old.size // stride) > 1.25 * most / old.size
 
 
 def encode(
@@ -230,16 +348,17 @@ def encode(
     digest = xxhash.xxh3_64_intdigest(now.data)
     old_el, old_tail = _elements(old, width)
     now_el, now_tail = _elements(now, width)
-    index = _changed(old_el, now_el, (max_ratio * now.size - sparse_size(now.size, width, 0)) / (2 + width))
-    if index is None or now.size == 0 or sparse_size(now.size, width, index.size) > max_ratio * now.size:
+    most = (max_ratio * now.size - sparse_size(now.size, width, 0)) / (2 + width)
+    found = None if _sample_says_raw(old_el, now_el, most) else _changes(old_el, now_el, most, update_base)
+    changed = 0 if found is None else sum(part.low.size for part in found)
+    if found is None or now.size == 0 or sparse_size(now.size, width, changed) > max_ratio * now.size:
         if update_base:  # (the first test is the early stop; the last adds index padding to it)
-            old[:] = now
+            old[:] = now  # (also where a range already wrote its changed values)
         return Delta(Kind.RAW, width, now.size, digest, None, (now,))
-    changed = index.size
-    counts = np.bincount(index >> BLOCK_BITS, minlength=_blocks(now_el.size)).astype(np.uint32)
-    values = now_el[index]
+    counts = np.concatenate([part.counts for part in found])
     head = np.frombuffer(_COUNT.pack(changed), dtype=np.uint8)
-    low = index.astype(np.uint16)
+    low = np.concatenate([part.low for part in found])
+    values = np.concatenate([part.values for part in found])
     pad = np.zeros(8, dtype=np.uint8)
     parts = (
         head,
@@ -251,7 +370,6 @@ def encode(
         now_tail.copy(),
     )
     if update_base:
-        old_el[index] = values
         old_tail[:] = now_tail
     return Delta(Kind.SPARSE, width, now.size, digest, changed, parts)
 
