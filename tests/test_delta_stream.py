@@ -95,6 +95,7 @@ def test_many_delta_syncs_yield_exactly_what_a_full_sync_yields() -> None:
         assert stats.delta_sync == (step > 0)
         if step and step % 4:  # 2% changed: the sparse form, far fewer bytes
             assert stats.delta_tensors >= 4
+            assert stats.codec_s > 0.0 and decoders[0].stats.codec_s > 0.0
             assert stats.wire_bytes < 0.2 * stats.model_bytes, stats
             assert 0.0 < stats.changed_elements / stats.compared_elements < 0.1
             assert decoders[0].stats.changed_elements == stats.changed_elements

@@ -48,6 +48,7 @@ def test_delta_syncs_deliver_every_byte_and_move_few(transport: str) -> None:
             assert sent["fastsync/transfer/delta_full_syncs"] == 1.0
             if step:
                 assert sent["fastsync/transfer/delta_tensors"] > 0
+                assert sent["fastsync/transfer/delta_codec_s"] > 0.0
                 model_bytes = sent["fastsync/transfer/delta_model_bytes"]
                 assert sent["fastsync/transfer/bytes"] < 0.3 * model_bytes, sent
             else:

@@ -34,9 +34,11 @@ Imports torch, numpy and :mod:`verl_fastsync.delta.codec` only (no verl, no tran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import struct
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Final
 
 import numpy as np
@@ -94,6 +96,8 @@ class DeltaStats:
     """Elements that differ from the base, over the tensors sent as deltas."""
     compared_elements: int = 0
     """Elements of the tensors sent as deltas."""
+    codec_s: float = 0.0
+    """Seconds this side spent encoding (sender) or rebuilding (receiver), base copies included."""
 
     def as_metrics(self, full_syncs: int) -> dict[str, float]:
         changed = self.changed_elements / self.compared_elements if self.compared_elements else 0.0
@@ -105,6 +109,7 @@ class DeltaStats:
             "fastsync/transfer/delta_tensors": float(self.delta_tensors),
             "fastsync/transfer/delta_raw_tensors": float(self.raw_tensors),
             "fastsync/transfer/delta_changed_fraction": changed,
+            "fastsync/transfer/delta_codec_s": self.codec_s,
         }
 
 
@@ -213,6 +218,15 @@ class _Side:
         self._seen = set()
         self.epoch = self._next
 
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Adds the seconds of the block to this sync's :attr:`DeltaStats.codec_s`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.codec_s += time.perf_counter() - start
+
     @property
     def base_bytes(self) -> int:
         return sum(entry.data.numel() for entry in self.base.values())
@@ -231,6 +245,10 @@ class DeltaEncoder(_Side):
 
     def encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """What to send for ``name`` (see the module docstring); the base holds ``tensor``'s bytes after."""
+        with self._timed():
+            return self._encode(name, tensor)
+
+    def _encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         if name.startswith(DELTA_PREFIX):
             raise DeltaSyncError(f"{self.who}: tensor name {name!r} starts with reserved {DELTA_PREFIX!r}")
         self._take(name)
@@ -300,6 +318,10 @@ class DeltaDecoder(_Side):
     def decode(self, name: str, received: torch.Tensor) -> tuple[str, torch.Tensor]:
         """The full tensor for what arrived under ``name``; it becomes this side's base (a new tensor
         each sync: what the consumer holds from an earlier sync is never written)."""
+        with self._timed():
+            return self._decode(name, received)
+
+    def _decode(self, name: str, received: torch.Tensor) -> tuple[str, torch.Tensor]:
         stats = self.stats
         stats.wire_bytes += received.numel() * received.element_size()
         if not name.startswith(DELTA_PREFIX):

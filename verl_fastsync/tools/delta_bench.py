@@ -70,6 +70,8 @@ def _sync(trainer: NetnsWorker, rollout: NetnsWorker, name: str, t: float) -> di
         "seconds": got["end"] - sent["start"],
         "wire_bytes": metrics.get("fastsync/transfer/bytes", 0.0),
         "delta_sync": metrics.get("fastsync/transfer/delta_sync", 0.0),
+        "encode_s": metrics.get("fastsync/transfer/delta_codec_s", 0.0),
+        "decode_s": got["metrics"].get("fastsync/transfer/delta_codec_s", 0.0),
     }
 
 
@@ -133,11 +135,12 @@ def format_delta(result: dict[str, Any]) -> str:
     size = rows[0]["model_bytes"] / MIB if rows else 0.0
     lines = [
         f"# {opts['transport']}, {size:.0f} MiB of bf16 weights, {opts['bucket_mib']} MiB buckets; "
-        "full = delta=false, delta = delta=true, same weights, same run"
+        "full = delta=false, delta = delta=true, same weights, same run; encode s / rebuild s: the "
+        "delta sync's seconds in the sender's encode and the receiver's rebuild"
     ]
     lines.append(
         f"{'link':>9} {'lr':>6} {'step':>7} {'changed':>8} {'full MiB':>8} {'delta MiB':>9} {'bytes x':>7} "
-        f"{'full s':>7} {'delta s':>7} {'time x':>6}"
+        f"{'full s':>7} {'delta s':>7} {'time x':>6} {'encode s':>8} {'rebuild s':>9}"
     )
     for r in rows:
         full, delta = r["full"], r["delta"]
@@ -147,7 +150,8 @@ def format_delta(result: dict[str, Any]) -> str:
             f"{full['wire_bytes'] / MIB:8.1f} {delta['wire_bytes'] / MIB:9.1f} "
             f"{full['wire_bytes'] / max(delta['wire_bytes'], 1):7.1f} "
             f"{full['seconds']:7.3f} {delta['seconds']:7.3f} "
-            f"{full['seconds'] / delta['seconds']:6.2f}"
+            f"{full['seconds'] / delta['seconds']:6.2f} "
+            f"{delta.get('encode_s', 0.0):8.3f} {delta.get('decode_s', 0.0):9.3f}"
         )
     return "\n".join(lines)
 
