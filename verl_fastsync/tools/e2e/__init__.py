@@ -102,6 +102,7 @@ def run_driver(
     syncs: int = 12,
     repeats: int = 0,
     engine_transports: tuple[str, ...] = (),
+    delta_transports: tuple[str, ...] = (),
     oversize_check: bool = False,
     timeout_s: float = 600.0,
     sync_timeout_s: float = 180.0,
@@ -120,6 +121,8 @@ def run_driver(
         cmd += ["--syncs", str(syncs), "--repeats", str(repeats), "--timeout-s", str(sync_timeout_s)]
         if engine_transports:
             cmd += ["--engine-transports", ",".join(engine_transports)]
+        if delta_transports:
+            cmd += ["--delta-transports", ",".join(delta_transports)]
         if oversize_check:
             cmd.append("--verl-oversize-check")
         env = dict(os.environ)

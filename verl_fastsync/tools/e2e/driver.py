@@ -46,6 +46,16 @@ ENGINE_ENV = {
 COLOCATED_ENV = "VERL_FASTSYNC_COLOCATED"
 COLOCATED_TIMEOUT_ENV = "VERL_FASTSYNC_COLOCATED_TIMEOUT_S"
 SEEDS = {"A": 1, "B": 2}
+DELTA_PLAN = [("A", "plain"), ("A1", "reuse"), ("A2", "restore"), ("B", "plain"), ("B1", "plain")]
+"""The delta run's syncs: a model tag is a seed's letter and how many delta-e2e steps it took
+(``models.train_like``: 2% of every parameter's values); A -> B changes every value (raw)."""
+
+
+def variant(tag: str) -> tuple[int, int]:
+    """(seed, steps) of a model tag: ``"A"`` -> (1, 0), ``"A2"`` -> (1, 2)."""
+    return SEEDS[tag[0]], int(tag[1:] or 0)
+
+
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7, 77, 777, 17]]
 NEW_TOKENS = 8
 VERL_BUCKET_MB = 32  # verl's shm path needs every tensor to fit one bucket (the 16 MiB embedding)
@@ -57,7 +67,7 @@ PATHS = ("verl", "fastsync")
 class Run:
     """One vLLM engine serving ``kind``; the trainer-side state of the e2e run."""
 
-    def __init__(self, kind: str, workdir: Path, timeout_s: float) -> None:
+    def __init__(self, kind: str, workdir: Path, timeout_s: float, tags: tuple[str, ...] = ()) -> None:
         from verl_fastsync.tools.e2e import models
 
         self.kind = kind
@@ -65,7 +75,8 @@ class Run:
         self.job_id = f"fastsync-e2e-{os.getpid()}"
         os.environ["VERL_RAY_JOB_ID"] = self.job_id
         os.environ[COLOCATED_TIMEOUT_ENV] = str(int(timeout_s))
-        self.models = {tag: models.build_model(kind, seed) for tag, seed in SEEDS.items()}
+        tags = tuple(SEEDS) + tuple(t for t in tags if t not in SEEDS)
+        self.models = {tag: models.build_variant(kind, *variant(tag)) for tag in tags}
         self.dirs = {tag: models.write_model(m, workdir / f"{kind}-{tag}") for tag, m in self.models.items()}
         self.state = {tag: models.state(m) for tag, m in self.models.items()}
         self.bytes = {tag: sum(t.nbytes for _, t in s) for tag, s in self.state.items()}
@@ -106,6 +117,10 @@ class Run:
         if len(differing) != len(self.reference["A"]):
             same = sorted(set(self.reference["A"]) - set(differing))
             raise AssertionError(f"models A and B share parameters {same}: a wrong sync could go unseen")
+        for tag in self.dirs:
+            if tag not in self.reference:
+                self.rpc("e2e_load_checkpoint", str(self.dirs[tag]))
+                self.reference[tag] = self.rpc("e2e_digests")
 
     def generate(self) -> list[list[int]]:
         from vllm import SamplingParams
@@ -132,10 +147,12 @@ class Run:
         set_verl_platform(cpu)
         self.rpc("e2e_platform", cpu)
 
-    def check(self, tag: str) -> dict[str, Any]:
+    def check(self, tag: str, previous: str | None = None) -> dict[str, Any]:
+        """vLLM's parameters and greedy generation after a sync of ``tag`` (``previous``: the model
+        synced before it; default the other seed's)."""
         digests = self.rpc("e2e_digests")
         want = self.reference[tag]
-        other = self.reference["B" if tag == "A" else "A"]
+        other = self.reference[previous or ("B" if tag == "A" else "A")]
         wrong = sorted(n for n in want if digests.get(n) != want[n])
         still_other = sorted(n for n in want if digests.get(n) == other[n])
         got = self.generate()
@@ -214,10 +231,24 @@ class EngineSide:
         if self.proc.is_alive():
             self.proc.kill()
 
-    def transport_run(self, transport: str, bucket_mb: int, plan: list[tuple[str, str]]) -> dict[str, Any]:
-        """Syncs ``plan`` ([(model tag, producer)]) over ``transport``."""
+    def handshake(self, engine: Any, trainer_meta: dict[str, Any]) -> None:
+        """verl's manager's steps before a sync: both sides' ``prepare()`` metadata (the trainer's is
+        ``trainer_meta``) into ``build_topology``, then ``init_process_group`` on both at once."""
         import concurrent.futures as cf
 
+        actor_kw, rollout_kw = type(engine).build_topology(1, 1, [trainer_meta, engine.prepare()])
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(engine.init_process_group, **{k: v[0] for k, v in rollout_kw.items()})
+            self.call("init", {k: v[0] for k, v in actor_kw.items()})
+            fut.result(self.run.timeout_s)
+
+    def transport_run(
+        self, transport: str, bucket_mb: int, plan: list[tuple[str, str]], delta: bool = False
+    ) -> dict[str, Any]:
+        """Syncs ``plan`` ([(model tag, producer)]) over ``transport``. ``delta``: engines with
+        ``delta=true``, and before every sync the handshake verl's manager runs (``prepare``,
+        ``build_topology``, ``init_process_group``; ``finalize`` after), so that they agree on the base;
+        else one handshake for the whole plan."""
         from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
         from verl_fastsync.tools.e2e.verl_side import checkpoint_worker_update, make_server_adapter
@@ -225,33 +256,37 @@ class EngineSide:
         out: dict[str, Any] = {"transport": transport, "bucket_mb": bucket_mb, "syncs": []}
         run = self.run
         bucket = bucket_mb << 20
-        trainer_meta = self.call("engine", transport, bucket, run.timeout_s)
-        engine = CheckpointEngineRegistry.new(
-            "fastsync", bucket_size=bucket, transport=transport, timeout_s=run.timeout_s
+        trainer_meta = self.call("engine", transport, bucket, run.timeout_s, delta)
+        engine: Any = CheckpointEngineRegistry.new(
+            "fastsync", bucket_size=bucket, transport=transport, timeout_s=run.timeout_s, delta=delta
         )
-        actor_kw, rollout_kw = type(engine).build_topology(1, 1, [trainer_meta, engine.prepare()])
-        with cf.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(engine.init_process_group, **{k: v[0] for k, v in rollout_kw.items()})
-            self.call("init", {k: v[0] for k, v in actor_kw.items()})
-            fut.result(run.timeout_s)
+        previous: str | None = None
         try:
+            self.handshake(engine, trainer_meta)
             run.select_path("engine")
-            for tag, producer in plan:
+            for i, (tag, producer) in enumerate(plan):
                 row: dict[str, Any] = {"model": tag, "producer": producer, "bytes": run.bytes[tag]}
-                adapter = make_server_adapter(run.handle, bucket_mb, run.job_id)
-                self.conn.send(("send", run.kind, SEEDS[tag], producer))
-                t0 = time.perf_counter()
                 try:
+                    if delta and i:
+                        self.handshake(engine, self.call("prepare"))
+                    adapter = make_server_adapter(run.handle, bucket_mb, run.job_id)
+                    self.conn.send(("send", run.kind, *variant(tag), producer))
+                    t0 = time.perf_counter()
                     asyncio.run(asyncio.wait_for(checkpoint_worker_update(engine, adapter), run.timeout_s))
                     row["seconds"] = time.perf_counter() - t0
                     row["send_metrics"] = self.reply()
+                    row["receive_metrics"] = dict(engine.last_metrics)
+                    if delta:
+                        engine.finalize()
+                        self.call("end")
                 except BaseException as exc:
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     row["traceback"] = traceback.format_exc()
                     out["syncs"].append(row)
                     break
-                row.update(run.check(tag))
+                row.update(run.check(tag, previous))
                 out["syncs"].append(row)
+                previous = tag
         finally:
             for fn in (engine.finalize, lambda: self.call("finalize")):
                 try:
@@ -285,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=0, help="timed syncs per path (plain producer)")
     parser.add_argument("--engine-transports", default="", help="comma list of fastsync engine transports")
     parser.add_argument(
+        "--delta-transports", default="", help="comma list of engine transports to run delta=true syncs over"
+    )
+    parser.add_argument(
         "--verl-oversize-check",
         action="store_true",
         help="last step: verl's shm path with a bucket smaller than the embedding",
@@ -304,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t_run = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fastsync-e2e-") as tmp:
-        run = Run(args.kind, Path(tmp), args.timeout_s)
+        delta_transports = [t for t in args.delta_transports.split(",") if t]
+        delta_tags = tuple(tag for tag, _ in DELTA_PLAN) if delta_transports else ()
+        run = Run(args.kind, Path(tmp), args.timeout_s, delta_tags)
         result["model_bytes"] = run.bytes["A"]
         result["largest_tensor_bytes"] = max(t.nbytes for _, t in run.state["A"])
         result["stacked_expert_tensors"] = [n for n, t in run.state["A"] if ".experts." in n and t.dim() == 3]
@@ -325,10 +365,26 @@ def main(argv: list[str] | None = None) -> int:
                 result["timing"].append(run.colocated_sync(path, "AB"[i % 2], "plain", bucket))
             dump()
         transports = [t for t in args.engine_transports.split(",") if t]
-        if transports:
+        if transports or delta_transports:
             result["engine"] = []
+            result["delta"] = []
             side = EngineSide(run)
             try:
+                for transport in delta_transports:
+                    try:
+                        result["delta"].append(
+                            side.transport_run(transport, SMALL_BUCKET_MB, DELTA_PLAN, delta=True)
+                        )
+                    except BaseException as exc:
+                        result["delta"].append(
+                            {
+                                "transport": transport,
+                                "error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc(),
+                                "syncs": [],
+                            }
+                        )
+                    dump()
                 for transport in transports:
                     plan = [
                         ("B", "reuse"),

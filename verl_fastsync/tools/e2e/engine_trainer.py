@@ -2,9 +2,11 @@
 engine (built through verl's ``CheckpointEngineRegistry``) and sends a seeded model on request.
 
 Commands over a ``multiprocessing`` pipe (every reply is ``("ok", value)`` or ``("error", text)``):
-``("engine", transport, bucket_bytes, timeout_s)`` -> the engine's ``prepare()`` metadata;
-``("init", kwargs)`` -> ``init_process_group(**kwargs)``; ``("send", kind, seed, producer)`` -> the
-send metrics; ``("finalize",)``; ``("stop",)``.
+``("engine", transport, bucket_bytes, timeout_s, delta)`` -> the engine's ``prepare()`` metadata;
+``("prepare",)`` -> ``prepare()`` again (the next sync's handshake, as verl's manager runs it);
+``("init", kwargs)`` -> ``init_process_group(**kwargs)``; ``("send", kind, seed, steps, producer)`` ->
+the send metrics (the model of ``seed`` after ``steps`` delta-e2e steps); ``("end",)`` -> ``finalize()``,
+keeping the engine for the next sync; ``("finalize",)`` -> the same, dropping it; ``("stop",)``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def trainer_main(conn: Connection) -> None:
 
     register_engine()
     engine: Any = None
-    cache: dict[tuple[str, int], list[Any]] = {}
+    cache: dict[tuple[str, int, int], list[Any]] = {}
     while True:
         cmd = conn.recv()
         try:
@@ -34,28 +36,32 @@ def trainer_main(conn: Connection) -> None:
                 conn.send(("ok", None))
                 return
             if op == "engine":
-                _, transport, bucket, timeout_s = cmd
+                _, transport, bucket, timeout_s, delta = cmd
                 engine = CheckpointEngineRegistry.new(
                     "fastsync",
                     is_master=True,
                     bucket_size=bucket,
                     transport=transport,
                     timeout_s=timeout_s,
+                    delta=delta,
                 )
+                conn.send(("ok", engine.prepare()))
+            elif op == "prepare":
                 conn.send(("ok", engine.prepare()))
             elif op == "init":
                 engine.init_process_group(**cmd[1])
                 conn.send(("ok", None))
             elif op == "send":
-                _, kind, seed, producer = cmd
-                if (kind, seed) not in cache:
-                    cache[(kind, seed)] = models.state(models.build_model(kind, seed))
-                tensors = [(n, t.clone()) for n, t in cache[(kind, seed)]]
+                _, kind, seed, steps, producer = cmd
+                if (kind, seed, steps) not in cache:
+                    cache[(kind, seed, steps)] = models.state(models.build_variant(kind, seed, steps))
+                tensors = [(n, t.clone()) for n, t in cache[(kind, seed, steps)]]
                 metrics = asyncio.run(engine.send_weights(produce(producer, tensors)))
                 conn.send(("ok", metrics))
-            elif op == "finalize":
+            elif op in ("end", "finalize"):
                 engine.finalize()
-                engine = None
+                if op == "finalize":
+                    engine = None
                 conn.send(("ok", None))
             else:
                 conn.send(("error", f"unknown command {op!r}"))

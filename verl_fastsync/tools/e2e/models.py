@@ -81,6 +81,31 @@ def build_model(kind: str, seed: int) -> Any:
     return model
 
 
+DELTA_FRACTION = 0.02
+"""Fraction of each parameter's values one :func:`train_like` step changes (at least one value)."""
+
+
+def train_like(model: Any, seed: int, step: int) -> Any:
+    """``model`` after a step that changes a few values of every parameter, as an RL step does (the
+    delta e2e's consecutive models): :data:`DELTA_FRACTION` of each parameter's values, drawn from
+    ``(seed, step)``, move by a small amount. In place; returns ``model``."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            flat = param.view(-1)
+            picked = torch.randperm(flat.numel(), generator=gen)[: max(1, int(DELTA_FRACTION * flat.numel()))]
+            flat[picked] += 1e-3 * (1.0 + torch.rand(picked.numel(), generator=gen))
+    return model
+
+
+def build_variant(kind: str, seed: int, steps: int) -> Any:
+    """The model of ``seed`` after ``steps`` :func:`train_like` steps."""
+    model = build_model(kind, seed)
+    for step in range(1, steps + 1):
+        train_like(model, seed, step)
+    return model
+
+
 def write_model(model: Any, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
