@@ -17,17 +17,27 @@ needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces
 @pytest.mark.timeout(900)
 def test_delta_bench_rows_follow_the_changed_values() -> None:
     before = list_netns()
-    opts = DeltaBenchOptions(width=128, layers=2, steps=2, lrs=(1e-6,), gbits=(0.0,), bucket_mib=1)
+    opts = DeltaBenchOptions(
+        width=128, layers=2, steps=2, lrs=(1e-6,), gbits=(0.0,), bucket_mib=1, one_host="shm"
+    )
     result = run_delta(opts)
     assert list_netns() == before
     rows = result["rows"]
-    assert [r["step"] for r in rows] == [1, 2, "re-init"]
-    for row in rows[:2]:
+    assert [(r["step"], r["one_host"], r["transport"]) for r in rows] == [
+        (1, False, "gloo"),
+        (2, False, "gloo"),
+        ("re-init", False, "gloo"),
+        (1, True, "shm"),
+        (2, True, "shm"),
+        ("re-init", True, "shm"),
+    ]
+    for row in rows[:2] + rows[3:5]:
         assert 0.0 < row["changed_fraction"] < 0.2
         assert row["delta"]["delta_sync"] == 1.0 and row["full"]["delta_sync"] == 0.0
         assert row["delta"]["wire_bytes"] < 0.5 * row["full"]["wire_bytes"], row
-    again = rows[2]
-    assert again["changed_fraction"] > 0.9
-    assert again["delta"]["wire_bytes"] == again["full"]["wire_bytes"] == again["model_bytes"]
+        assert row["delta"]["encode_s"] > 0.0 and row["delta"]["decode_s"] > 0.0
+    for again in (rows[2], rows[5]):
+        assert again["changed_fraction"] > 0.9
+        assert again["delta"]["wire_bytes"] == again["full"]["wire_bytes"] == again["model_bytes"]
     text = format_delta(result)
-    assert "re-init" in text and "unshaped" in text
+    assert "re-init" in text and "unshaped" in text and "host shm" in text

@@ -340,3 +340,7 @@ def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) ->
     assert problem is None and "give actor_rollout_ref.model.path" in note
     report = doctor.diagnose([f"+{ENGINE}.delta=true", *overrides])
     assert any("delta=true keeps the model's bytes" in n for n in report["notes"]), report["notes"]
+    one_host = [n for n in report["notes"] if "transport=shm" in n]  # shm is the default transport
+    assert one_host and "keep delta=false with shm" in one_host[0], report["notes"]
+    report = doctor.diagnose([f"+{ENGINE}.delta=true", f"+{ENGINE}.transport=gloo", *overrides])
+    assert not [n for n in report["notes"] if "transport=shm" in n], report["notes"]

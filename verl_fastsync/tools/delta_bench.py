@@ -10,13 +10,15 @@ then one re-initialisation (every value changes: the raw fallback). Each step is
 sync is timed from ``send_weights`` starting to the rollout's consumer holding every byte (copied into
 its parameters, checked by xxh3 digest against the trainer's weights).
 
-Run ``python -m verl_fastsync.tools.delta_bench [--width 1024] [--layers 8] [--gbit 10,0]``
-(``0``: unshaped).
+Run ``python -m verl_fastsync.tools.delta_bench [--width 1024] [--layers 8] [--gbit 10,0]
+[--one-host shm]`` (``0``: unshaped; ``--one-host``: also both ranks in one namespace, rows
+``host shm``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -44,6 +46,9 @@ class DeltaBenchOptions:
     timeout_s: float = 300.0
     seed: int = 0
     engines: tuple[str, ...] = field(default=("full", "delta"))
+    one_host: str | None = None
+    """Also run both ranks in one namespace (one host) over this transport (``shm``): where delta
+    has no link to save."""
 
 
 def _both(pairs: list[tuple[NetnsWorker, str, dict[str, Any]]], timeout_s: float) -> list[Any]:
@@ -75,11 +80,11 @@ def _sync(trainer: NetnsWorker, rollout: NetnsWorker, name: str, t: float) -> di
     }
 
 
-def _link(gbit: float, opts: DeltaBenchOptions) -> list[dict[str, Any]]:
+def _link(gbit: float, opts: DeltaBenchOptions, one_host: bool = False) -> list[dict[str, Any]]:
     t = opts.timeout_s
     rows: list[dict[str, Any]] = []
     with NamespaceStar(1, gbit or None) as star:
-        trainer = star.spawn(star.leaves[0])
+        trainer = star.spawn(star.hub if one_host else star.leaves[0])
         rollout = star.spawn(star.hub)
         for name in opts.engines:
             _both(
@@ -111,6 +116,8 @@ def _link(gbit: float, opts: DeltaBenchOptions) -> list[dict[str, Any]]:
                 change = trainer.call(f"{_PEER}:train_step", {"lr": lr, "reinit": reinit}, t)
                 row: dict[str, Any] = {
                     "gbit": gbit,
+                    "one_host": one_host,
+                    "transport": opts.transport,
                     "lr": lr,
                     "step": "re-init" if reinit else step,
                     "changed_fraction": change["changed_fraction"],
@@ -126,6 +133,8 @@ def _link(gbit: float, opts: DeltaBenchOptions) -> list[dict[str, Any]]:
 
 def run_delta(opts: DeltaBenchOptions) -> dict[str, Any]:
     rows = [row for gbit in opts.gbits for row in _link(gbit, opts)]
+    if opts.one_host:
+        rows += _link(0.0, dataclasses.replace(opts, transport=opts.one_host), one_host=True)
     return {"options": vars(opts), "rows": rows}
 
 
@@ -145,6 +154,8 @@ def format_delta(result: dict[str, Any]) -> str:
     for r in rows:
         full, delta = r["full"], r["delta"]
         link = f"{r['gbit']:g} Gbit" if r["gbit"] else "unshaped"
+        if r.get("one_host"):
+            link = f"host {r['transport']}"
         lines.append(
             f"{link:>9} {r['lr']:6.0e} {r['step']!s:>7} {r['changed_fraction']:8.2%} "
             f"{full['wire_bytes'] / MIB:8.1f} {delta['wire_bytes'] / MIB:9.1f} "
@@ -165,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gbit", default="10,0", help="link rates in Gbit/s, 0 = unshaped")
     parser.add_argument("--transport", default="gloo")
     parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument(
+        "--one-host", default=None, help="also both ranks in one namespace over this transport (shm)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     opts = DeltaBenchOptions(
@@ -175,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         gbits=tuple(float(x) for x in args.gbit.split(",")),
         transport=args.transport,
         bucket_mib=args.bucket_mib,
+        one_host=args.one_host,
     )
     t0 = time.monotonic()
     result = run_delta(opts)

@@ -257,6 +257,12 @@ def diagnose(overrides: Sequence[str] = ()) -> dict[str, Any]:
                 report["notes"].append(delta_note)
                 if delta_problem:
                     problems.append(delta_problem)
+                if settings.transport == "shm":
+                    report["notes"].append(
+                        f"{ENGINE_KEY_PREFIX}.delta=true with transport=shm: on one host there is no link "
+                        "to save and the delta bench measured a delta sync 2-3x slower than a full one; "
+                        "delta pays across hosts (gloo, nixl), keep delta=false with shm"
+                    )
             why = transports["engine"]["unavailable"].get(settings.transport)
             if why:
                 problems.append(
