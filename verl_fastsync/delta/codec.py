@@ -187,10 +187,11 @@ SCAN: Final = 1 << 20
 """Elements compared at a time: the changed-mask of one slice stays in cache and is reused, so a
 bucket costs no mask of its own size, and counting stops at the slice where the delta stops paying."""
 
-THREADS: Final = max(1, min(8, len(os.sched_getaffinity(0))))
+_CPUS: Final = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+THREADS: Final = max(1, min(8, _CPUS))
 """Threads comparing one tensor's slices (numpy releases the GIL while it compares): the compare is
-most of a sparse encode's time, and a sending trainer rank's cores are idle while it syncs. At most 8:
-the compare is bound by memory bandwidth long before that."""
+most of a sparse encode's time, and a sending trainer rank's cores are idle while it syncs. The CPUs
+this process may run on, at most 8: the compare is bound by memory bandwidth long before that."""
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
