@@ -355,9 +355,14 @@ def test_torch_tensors_in_and_out_0d_and_empty() -> None:
         assert _bits(target) == _bits(new)
 
 
-def test_memory_follows_the_changed_elements_not_the_bucket() -> None:
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_memory_follows_the_changed_elements_not_the_bucket(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
     # a 16 MiB bf16 bucket, 1% changed: encoding and decoding in place allocate in proportion to the
-    # ~84k changed elements (indices, values, one compare slice), never a bucket-sized temporary
+    # ~84k changed elements (indices, values, one compare slice shared by every thread), never a
+    # bucket-sized temporary, however many threads compare
+    monkeypatch.setattr(codec, "THREADS", threads)
     base = _tensor(torch.bfloat16, 8 << 20, seed=8)
     new, count = _changed(base, 0.01, seed=9)
     sender, receiver = base.clone(), base.clone()

@@ -250,31 +250,42 @@ def _changes_in(
     new: npt.NDArray[np.unsignedinteger],
     start: int,
     stop: int,
+    scan: int,
     budget: _Budget,
     update_base: bool,
 ) -> _Changes | None:
-    """The changed elements in ``[start, stop)`` (``start`` a multiple of :data:`BLOCK`); None once the
-    budget is spent (here or by another range). ``update_base``: ``old`` takes the new values."""
-    mask = np.empty(min(SCAN, stop - start), dtype=np.bool_)
-    found: list[npt.NDArray[np.int64]] = []
-    for at in range(start, stop, SCAN):
+    """The changed elements in ``[start, stop)`` (``start`` a multiple of :data:`BLOCK`), compared
+    ``scan`` elements at a time; None once the budget is spent (here or by another range).
+    ``update_base``: ``old`` takes the new values. Each slice's indices live only while that slice
+    is handled: what stays is 2 + width bytes per changed element."""
+    mask = np.empty(min(scan, stop - start), dtype=np.bool_)
+    counts = np.zeros(_blocks(stop - start), dtype=np.uint32)
+    low: list[npt.NDArray[np.uint16]] = []
+    values: list[npt.NDArray[np.unsignedinteger]] = []
+    for at in range(start, stop, scan):
         if budget.over:
             return None
-        end = min(at + SCAN, stop)
+        end = min(at + scan, stop)
         np.not_equal(old[at:end], new[at:end], out=mask[: end - at])
         if not budget.add(int(np.count_nonzero(mask[: end - at]))):
             return None  # (counted before the indices are built: a fully changed slice costs no index)
         index = np.flatnonzero(mask[: end - at])
-        if index.size:
-            found.append(index + (at - start))
-    index = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
-    values = new[start:stop][index]
-    if update_base:
-        old[start:stop][index] = values
+        if not index.size:
+            continue
+        changed = new[at:end][index]
+        if update_base:
+            old[at:end][index] = changed
+        values.append(changed)
+        index += at - start  # from here: the index inside this range (which starts on a block)
+        low.append(index.astype(np.uint16))
+        first, last = int(index[0]) >> BLOCK_BITS, int(index[-1]) >> BLOCK_BITS
+        counts[first : last + 1] += np.bincount((index >> BLOCK_BITS) - first).astype(np.uint32)
+        del index, changed
+    empty_values = np.empty(0, dtype=new.dtype)
     return _Changes(
-        np.bincount(index >> BLOCK_BITS, minlength=_blocks(stop - start)).astype(np.uint32),
-        index.astype(np.uint16),
-        values,
+        counts,
+        np.concatenate(low) if low else np.empty(0, dtype=np.uint16),
+        np.concatenate(values) if values else empty_values,
     )
 
 
@@ -286,21 +297,23 @@ def _changes(
 ) -> list[_Changes] | None:
     """The changed elements of ``old`` and ``new``, by ranges in order; None once there are more than
     ``most``. Tensors of several :data:`SCAN` slices are compared by :data:`THREADS` threads, each a
-    range of whole slices and index blocks; the count is shared, so every range stops once the delta
-    stops paying."""
+    range of whole index blocks compared ``SCAN / ranges`` elements at a time (the threads' masks
+    together are one slice's, whatever the thread count); the count is shared, so every range stops
+    once the delta stops paying."""
     if most < 0:
         return None
     budget = _Budget(most)
     slices = -(-old.size // SCAN)
     ranges = min(THREADS, slices)
     if ranges <= 1:
-        one = _changes_in(old, new, 0, old.size, budget, update_base)
+        one = _changes_in(old, new, 0, old.size, SCAN, budget, update_base)
         return None if one is None else [one]
+    scan = max(1, SCAN // ranges)  # the threads' masks together are one SCAN slice's
     step = -(-slices // ranges) * SCAN
     step = -(-step // BLOCK) * BLOCK  # ranges of whole index blocks: their counts join in order
     pool = _threads()
     parts = [
-        pool.submit(_changes_in, old, new, start, min(start + step, old.size), budget, update_base)
+        pool.submit(_changes_in, old, new, start, min(start + step, old.size), scan, budget, update_base)
         for start in range(0, old.size, step)
     ]
     wait(parts)  # every range is done with the base before anything is returned or raised
