@@ -281,11 +281,10 @@ def _changes_in(
         first, last = int(index[0]) >> BLOCK_BITS, int(index[-1]) >> BLOCK_BITS
         counts[first : last + 1] += np.bincount((index >> BLOCK_BITS) - first).astype(np.uint32)
         del index, changed
-    empty_values = np.empty(0, dtype=new.dtype)
     return _Changes(
         counts,
         np.concatenate(low) if low else np.empty(0, dtype=np.uint16),
-        np.concatenate(values) if values else empty_values,
+        np.concatenate(values) if values else np.empty(0, dtype=new.dtype),
     )
 
 
