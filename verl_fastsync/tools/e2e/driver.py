@@ -369,39 +369,22 @@ def main(argv: list[str] | None = None) -> int:
             result["engine"] = []
             result["delta"] = []
             side = EngineSide(run)
+            timed = [("B", "plain"), ("A", "plain")][: args.repeats]
+            engine_plan = [("B", "reuse"), ("A", "restore"), *timed]
+            runs = [("delta", t, DELTA_PLAN, True) for t in delta_transports]
+            runs += [("engine", t, engine_plan, False) for t in transports]
             try:
-                for transport in delta_transports:
+                for key, transport, plan, delta in runs:
                     try:
-                        result["delta"].append(
-                            side.transport_run(transport, SMALL_BUCKET_MB, DELTA_PLAN, delta=True)
-                        )
-                    except BaseException as exc:
-                        result["delta"].append(
-                            {
-                                "transport": transport,
-                                "error": f"{type(exc).__name__}: {exc}",
-                                "traceback": traceback.format_exc(),
-                                "syncs": [],
-                            }
-                        )
-                    dump()
-                for transport in transports:
-                    plan = [
-                        ("B", "reuse"),
-                        ("A", "restore"),
-                        *[("B", "plain"), ("A", "plain")][: args.repeats],
-                    ]
-                    try:
-                        result["engine"].append(side.transport_run(transport, SMALL_BUCKET_MB, plan))
-                    except BaseException as exc:
-                        result["engine"].append(
-                            {
-                                "transport": transport,
-                                "error": f"{type(exc).__name__}: {exc}",
-                                "traceback": traceback.format_exc(),
-                                "syncs": [],
-                            }
-                        )
+                        row = side.transport_run(transport, SMALL_BUCKET_MB, plan, delta=delta)
+                    except BaseException as exc:  # recorded; the test decides
+                        row = {
+                            "transport": transport,
+                            "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc(),
+                            "syncs": [],
+                        }
+                    result[key].append(row)
                     dump()
             finally:
                 side.stop()
