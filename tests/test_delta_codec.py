@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_fastsync.delta import codec
+from verl_fastsync.delta import codec, compare
 from verl_fastsync.delta.codec import (
     BLOCK,
     HEADER,
@@ -27,6 +29,7 @@ from verl_fastsync.delta.codec import (
     Kind,
     as_bytes,
     decode,
+    decode_in_place,
     element_width,
     encode,
     sparse_size,
@@ -143,9 +146,9 @@ def test_changes_at_block_edges_and_the_last_element() -> None:
     assert decode(base, delta.tobytes()).tobytes() == new.tobytes()
 
 
-@pytest.mark.parametrize("scan", [1, 7, 64, codec.SCAN])
+@pytest.mark.parametrize("scan", [1, 7, 64, compare.SCAN])
 def test_changes_across_scan_slices_and_the_early_stop(monkeypatch: pytest.MonkeyPatch, scan: int) -> None:
-    monkeypatch.setattr(codec, "SCAN", scan)
+    monkeypatch.setattr(compare, "SCAN", scan)
     rng = np.random.default_rng(scan)
     base = rng.integers(0, 256, 4 * 1000 + 3, dtype=np.uint8)
     for fraction in (0.0, 0.05, 0.2, 0.9):
@@ -167,16 +170,16 @@ def test_ranges_compared_in_threads_give_the_one_thread_encoding(
     monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
     # slices of 1000 elements (not a divisor of an index block: ranges must still start on one)
-    monkeypatch.setattr(codec, "SCAN", 1000)
+    monkeypatch.setattr(compare, "SCAN", 1000)
     rng = np.random.default_rng(threads)
     base = rng.integers(0, 256, 2 * (5 * BLOCK + 123) + 1, dtype=np.uint8)
     for fraction in (0.0, 0.001, 0.05, 0.2, 0.9):
         new = np.where(
             rng.random(base.size) < fraction, rng.integers(0, 256, base.size, dtype=np.uint8), base
         )
-        monkeypatch.setattr(codec, "THREADS", 1)
+        monkeypatch.setattr(compare, "THREADS", 1)
         serial = encode(base, new, 2)
-        monkeypatch.setattr(codec, "THREADS", threads)
+        monkeypatch.setattr(compare, "THREADS", threads)
         sender = base.copy()
         parallel = encode(sender, new, 2, update_base=True)
         assert parallel.kind is serial.kind and parallel.tobytes() == serial.tobytes()
@@ -195,16 +198,16 @@ def test_a_sample_that_says_raw_skips_the_scan_and_errs_only_in_speed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rng = np.random.default_rng(11)
-    size = 8 * codec.SAMPLE
+    size = 8 * compare.SAMPLE
     base = rng.integers(0, 1 << 16, size, dtype=np.uint16)
-    stride = size // codec.SAMPLE
+    stride = size // compare.SAMPLE
 
     def no_scan(*args: object) -> None:
         raise AssertionError("scanned although the sample said raw")
 
     every = base ^ 0x5A5A  # re-initialised weights: the sample decides, nothing is scanned
     with monkeypatch.context() as patched:
-        patched.setattr(codec, "_changes", no_scan)
+        patched.setattr(codec, "changes", no_scan)
         sender = base.copy()
         assert encode(sender, every, 2, update_base=True).kind is Kind.RAW
         assert sender.tobytes() == every.tobytes()
@@ -223,6 +226,87 @@ def test_a_sample_that_says_raw_skips_the_scan_and_errs_only_in_speed(
     assert decode(base, delta.tobytes()).tobytes() == few.tobytes()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_undo_puts_the_base_back_and_a_raw_outcome_leaves_it_untouched(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """``encode(update_base=True, undo=True)``: a sparse outcome updates the base and its patch puts it
+    back exactly (about the delta's size); a raw one leaves the base as it was, also when the first
+    range had finished and written its changes before the last one spent the budget, or the sample
+    decided."""
+    monkeypatch.setattr(compare, "SCAN", 1000)
+    monkeypatch.setattr(compare, "THREADS", threads)
+    rng = np.random.default_rng(threads)
+    elements = 6 * BLOCK
+    base = rng.integers(0, 256, 2 * elements + 1, dtype=np.uint8)
+    new = base.copy()
+    new[:-1].view(np.uint16)[rng.choice(elements, 3000, replace=False)] ^= 1
+    new[-1] ^= 0x10  # the odd tail byte too
+    sender = base.copy()
+    delta = encode(sender, new, 2, update_base=True, undo=True)
+    assert delta.kind is Kind.SPARSE and delta.undo is not None
+    assert sender.tobytes() == new.tobytes()
+    assert delta.undo.nbytes <= delta.payload_bytes
+    delta.undo.apply(sender)
+    assert sender.tobytes() == base.tobytes()
+
+    late = base.copy()  # a few changes everywhere, then the last block changes (but where sampled)
+    values = late[:-1].view(np.uint16)
+    values[::4099] ^= 1
+    values[-BLOCK:] ^= 1
+    stride = elements // compare.SAMPLE
+    values[-BLOCK:][(BLOCK - elements) % stride :: stride] ^= 1  # the sample sees none of the late changes
+    first_done = threading.Event()
+    changes_in = compare.changes_in
+
+    def first_range_first(*args: Any) -> Any:  # the first range finishes before any other starts
+        if args[2] != 0:
+            assert first_done.wait(60)
+        try:
+            return changes_in(*args)
+        finally:
+            if args[2] == 0:
+                first_done.set()
+
+    monkeypatch.setattr(compare, "changes_in", first_range_first)
+    put_back = compare.Changes.put_back
+    written: list[int] = []
+
+    def counted(self: Any, old: np.ndarray) -> None:
+        written.append(self.low.size)
+        put_back(self, old)
+
+    monkeypatch.setattr(compare.Changes, "put_back", counted)
+    for changed in (late, base ^ 0x5A):  # scanned, stopped late; re-initialised (the sample decides)
+        sender = base.copy()
+        delta = encode(sender, changed, 2, max_ratio=0.2, update_base=True, undo=True)
+        assert delta.kind is Kind.RAW and delta.undo is None
+        assert sender.tobytes() == base.tobytes()
+        if changed is late:  # what the finished ranges had written was put back
+            assert sum(written) > 0, written
+
+
+@pytest.mark.parametrize("kind", ["sparse", "raw"])
+def test_decode_in_place_returns_the_patch_that_puts_the_base_back(kind: str) -> None:
+    base, new, wire = _small(kind)
+    target = base.copy()
+    patch = decode_in_place(target, wire)
+    assert target.tobytes() == new.tobytes()
+    # the old values of the changed elements (sparse), or the whole old bytes (raw)
+    assert patch.nbytes == base.nbytes if kind == "raw" else patch.nbytes < 0.1 * base.nbytes
+    patch.apply(target)
+    assert target.tobytes() == base.tobytes()
+    if kind == "sparse":
+        other = base.copy()
+        other[10] ^= 1  # another base: raises, nothing written
+        kept = other.copy()
+        with pytest.raises(DeltaDigestError):
+            decode_in_place(other, wire)
+        assert other.tobytes() == kept.tobytes()
+    empty = np.empty(0, dtype=np.uint8)
+    decode_in_place(empty, encode(empty, empty, 1).tobytes()).apply(empty)
+
+
 def _encode_in_child(base: np.ndarray, new: np.ndarray, expected: bytes) -> None:
     sys.exit(0 if encode(base, new, 2).tobytes() == expected else 3)
 
@@ -230,8 +314,8 @@ def _encode_in_child(base: np.ndarray, new: np.ndarray, expected: bytes) -> None
 def test_a_forked_child_encodes_with_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     import multiprocessing
 
-    monkeypatch.setattr(codec, "SCAN", 1000)
-    monkeypatch.setattr(codec, "THREADS", 2)
+    monkeypatch.setattr(compare, "SCAN", 1000)
+    monkeypatch.setattr(compare, "THREADS", 2)
     rng = np.random.default_rng(12)
     base = rng.integers(0, 256, 8 * BLOCK, dtype=np.uint8)
     new = base.copy()
@@ -336,6 +420,8 @@ def test_argument_errors() -> None:
         encode(a, a, 3)
     with pytest.raises(DeltaError, match="writable"):
         encode(bytes(8), a, 1, update_base=True)
+    with pytest.raises(DeltaError, match="undo needs update_base"):
+        encode(a.copy(), a, 1, undo=True)
     with pytest.raises(DeltaError, match="contiguous"):
         as_bytes(torch.zeros(4, 4).t())
     with pytest.raises(DeltaError, match="overlaps"):
@@ -362,7 +448,7 @@ def test_memory_follows_the_changed_elements_not_the_bucket(
     # a 16 MiB bf16 bucket, 1% changed: encoding and decoding in place allocate in proportion to the
     # ~84k changed elements (indices, values, one compare slice shared by every thread), never a
     # bucket-sized temporary, however many threads compare
-    monkeypatch.setattr(codec, "THREADS", threads)
+    monkeypatch.setattr(compare, "THREADS", threads)
     base = _tensor(torch.bfloat16, 8 << 20, seed=8)
     new, count = _changed(base, 0.01, seed=9)
     sender, receiver = base.clone(), base.clone()

@@ -133,25 +133,120 @@ def test_added_removed_reshaped_and_retyped_tensors() -> None:
     assert encoder.base_bytes == decoder.base_bytes == sum(t.numel() * t.element_size() for _, t in model2)
 
 
-def test_a_failed_sync_leaves_no_epoch_and_the_next_one_is_full() -> None:
+def _base_digests(side: DeltaEncoder | DeltaDecoder) -> dict[str, str]:
+    return {
+        name: hashlib.sha256(entry.data.numpy().tobytes()).hexdigest() for name, entry in side.base.items()
+    }
+
+
+def test_a_failed_delta_sync_puts_both_bases_back_and_the_next_one_diffs() -> None:
+    """A delta sync fails after 6 tensors, with a tensor that went raw, one added and one reshaped
+    among them, the consumer holding one of the yielded tensors: both bases are back at epoch a,
+    byte for byte (the held tensor untouched); the next sync diffs against a and yields exactly."""
     gen = torch.Generator().manual_seed(3)
     encoder, decoder = DeltaEncoder(), DeltaDecoder()
     model = _model(gen)
     _sync(encoder, [decoder], model, "a")
-    half = _step(model, gen, 0.02)
+    at_a = (_base_digests(encoder), _base_digests(decoder))
+    table = dict(_step(model, gen, 0.02))
+    table["layer0.b"] = torch.randn(128, generator=gen).to(torch.float16)  # every value changed: raw
+    table["mask"] = table["mask"].reshape(9, 37).clone()  # reshaped: goes as itself
+    half = [(n, table[n]) for n in ("embed.weight", "layer0.w", "layer0.b", "master", "mask")]
+    half.append(("added", torch.randn(30, generator=gen)))
     encoder.begin("a", "b")
     decoder.begin("a", "b")
-    for name, tensor in half[:4]:  # the sync fails after 4 tensors: nobody commits
-        decoder.decode(*encoder.encode(name, tensor))
-    assert encoder.epoch is None and decoder.epoch is None
-    with pytest.raises(DeltaSyncError, match="diff against base a, this sender holds none"):
-        encoder.begin("a", "c")  # a stale topology cannot make it diff against a half-updated base
-    later = _step(half, gen, 0.02)
-    [got] = _sync(encoder, [decoder], later, "c")  # epochs differ: full
-    assert not encoder.stats.delta_sync and encoder.full_syncs == 2 and decoder.full_syncs == 2
+    held = []
+    for name, tensor in half:  # the sync fails after these: nobody commits
+        held.append(decoder.decode(*encoder.encode(name, tensor)))
+    assert encoder.stats.delta_tensors >= 2 and encoder.stats.raw_tensors >= 2
+    kept = [_digest(n, t) for n, t in held]
+    assert encoder.epoch is None and decoder.epoch is None  # not usable while the sync is open
+    encoder.settle()
+    decoder.settle()
+    assert encoder.epoch == decoder.epoch == "a" and encoder.rolled_back == decoder.rolled_back == 1
+    assert (_base_digests(encoder), _base_digests(decoder)) == at_a
+    assert [_digest(n, t) for n, t in held] == kept  # what the consumer holds was not written
+    later = _step(model, gen, 0.02)
+    [got] = _sync(encoder, [decoder], later, "c")
+    assert encoder.stats.delta_sync and encoder.stats.delta_tensors >= 4 and encoder.full_syncs == 1
     assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in later]
     [got] = _sync(encoder, [decoder], _step(later, gen, 0.02), "d")
     assert encoder.stats.delta_sync
+
+
+def test_a_receiver_that_committed_a_sync_that_failed_elsewhere_makes_the_next_one_full() -> None:
+    """One receiver got its whole part and committed; the sender and the other receiver failed and
+    went back: the epochs differ, so the next sync is full on every side, and exact."""
+    gen = torch.Generator().manual_seed(33)
+    encoder, decoders = DeltaEncoder(), [DeltaDecoder(), DeltaDecoder()]
+    model = _model(gen)
+    _sync(encoder, decoders, model, "a")
+    step = _step(model, gen, 0.02)
+    for side in (encoder, *decoders):
+        side.begin("a", "b")
+    wire = [encoder.encode(n, t) for n, t in step]
+    for item in wire:
+        decoders[0].decode(*item)
+    decoders[0].commit()
+    for item in wire[:3]:
+        decoders[1].decode(*item)
+    for side in (encoder, *decoders):
+        side.settle()
+    assert (encoder.epoch, decoders[0].epoch, decoders[1].epoch) == ("a", "b", "a")
+    later = _step(step, gen, 0.02)
+    got = _sync(encoder, decoders, later, "c")
+    assert not encoder.stats.delta_sync and all(not d.stats.delta_sync for d in decoders)
+    for received in got:
+        assert [_digest(n, t) for n, t in received] == [_digest(n, t) for n, t in later]
+
+
+def test_a_sync_that_begins_over_an_unsettled_failed_one_settles_it_first() -> None:
+    gen = torch.Generator().manual_seed(13)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    _sync(encoder, [decoder], model, "a")
+    encoder.begin("a", "b")
+    decoder.begin("a", "b")
+    for name, tensor in _step(model, gen, 0.02)[:3]:
+        decoder.decode(*encoder.encode(name, tensor))
+    later = _step(model, gen, 0.02)
+    encoder.begin("a", "c")  # no settle() between: begin() rolls the failed sync back itself
+    decoder.begin("a", "c")
+    got = [decoder.decode(*encoder.encode(n, t)) for n, t in later]
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in later]
+    with pytest.raises(DeltaSyncError, match="no sync is running"):
+        encoder.commit()
+        encoder.commit()
+
+
+def test_a_failed_sync_past_the_journal_limit_leaves_no_epoch_and_the_next_one_is_full() -> None:
+    """A delta sync that re-initialises the weights (every tensor raw: the journal passes its eighth
+    of the base and is dropped) fails: no epoch on either side, a stale topology cannot make either
+    diff, and the next sync is full and exact. A failed full sync keeps no journal either."""
+    gen = torch.Generator().manual_seed(23)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    _sync(encoder, [decoder], model, "a")
+    fresh = _model(gen)
+    encoder.begin("a", "b")
+    decoder.begin("a", "b")
+    for name, tensor in fresh[:4]:
+        decoder.decode(*encoder.encode(name, tensor))
+    encoder.settle()
+    decoder.settle()
+    assert encoder.epoch is None and decoder.epoch is None and encoder.rolled_back == 0
+    with pytest.raises(DeltaSyncError, match="diff against base a, this sender holds none"):
+        encoder.begin("a", "c")  # a stale topology cannot make it diff against a half-updated base
+    later = _step(fresh, gen, 0.02)
+    [got] = _sync(encoder, [decoder], later, "c")  # epochs differ: full
+    assert not encoder.stats.delta_sync and encoder.full_syncs == 2 and decoder.full_syncs == 2
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in later]
+    encoder.begin(None, "d")  # a full sync that fails: nothing to go back to
+    decoder.begin(None, "d")
+    decoder.decode(*encoder.encode(*later[0]))
+    encoder.settle()
+    decoder.settle()
+    assert encoder.epoch is None and decoder.epoch is None
 
 
 def test_a_consumer_that_writes_into_a_yielded_tensor_fails_the_next_delta_loudly() -> None:

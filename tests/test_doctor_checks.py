@@ -334,8 +334,10 @@ def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) ->
     problem, note = _delta_memory(overrides, available=4000)
     assert problem is not None and "needs about 0.00 GiB" in problem and "set delta=false" in problem
     assert str(tmp_path) in note
+    problem, _ = _delta_memory(overrides, available=5500)  # the base fits, its undo journal does not
+    assert problem is not None and "undo journal" in problem
     problem, note = _delta_memory(overrides, available=6000)
-    assert problem is None and "every rollout rank" in note
+    assert problem is None and "every rollout rank" in note and "undo journal" in note
     problem, note = _delta_memory(["+trainer.n_gpus_per_node=8"], available=6000)
     assert problem is None and "give actor_rollout_ref.model.path" in note
     report = doctor.diagnose([f"+{ENGINE}.delta=true", *overrides])

@@ -240,10 +240,11 @@ def test_memory_a_holding_consumer_lets_go_comes_back_at_once(transport: str) ->
 
 
 @pytest.mark.timeout(12 * TIMEOUT_S)
-def test_a_load_error_mid_delta_reaches_the_trainer_and_the_next_sync_is_full() -> None:
+def test_a_load_error_mid_delta_reaches_the_trainer_and_the_next_sync_diffs_again() -> None:
     """``delta=true`` through verl's worker method: a full sync, a delta sync, then the adapter fails
-    mid-delta: the trainer fails at once with the adapter's error; the next sync is full (neither
-    side diffs against the half-updated base) and exact; the one after diffs again, exact."""
+    mid-delta: the trainer fails at once with the adapter's error; both sides put their bases back
+    at the last good sync's, so the next sync diffs against it, exact (a half-updated base would
+    fail its digest check), and so does the one after."""
     with _cluster("shm", delta=True) as cluster:
 
         def sync(step: int, **adapter: Any) -> tuple[dict[str, Any], str, Any]:
@@ -270,4 +271,4 @@ def test_a_load_error_mid_delta_reaches_the_trainer_and_the_next_sync_is_full() 
             _, status, sent = sync(step)
             assert status == "ok", sent
             modes.append(sent["metrics"]["fastsync/transfer/delta_sync"])
-        assert modes == [0.0, 1.0, 0.0, 1.0], modes
+        assert modes == [0.0, 1.0, 1.0, 1.0], modes

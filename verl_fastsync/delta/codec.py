@@ -21,19 +21,16 @@ the base back as it was when it raises, so a failed decode never leaves a half-u
 
 Buffers are flat ``uint8`` numpy arrays; :func:`as_bytes` views bytes-like objects, C-contiguous numpy
 arrays and contiguous CPU torch tensors as one without copying. Everything is vectorised numpy: the
-cost is a compare of base and new (on :data:`THREADS` threads for a large tensor, skipped when an
-evenly spaced sample already shows the delta would not pay), a digest and work proportional to the
-changed elements. Imports numpy, torch, xxhash and the standard library only.
+cost is a compare of base and new (:mod:`verl_fastsync.delta.compare`: on threads for a large
+tensor, skipped when an evenly spaced sample already shows the delta would not pay), a digest and
+work proportional to the changed elements. Imports numpy, torch, xxhash and the standard library only.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import struct
-import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
@@ -42,6 +39,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import xxhash
+
+from verl_fastsync.delta.compare import BLOCK, blocks, changes, positions, sample_says_raw
 
 __all__ = [
     "BLOCK",
@@ -53,8 +52,10 @@ __all__ = [
     "DeltaDigestError",
     "DeltaError",
     "Kind",
+    "Patch",
     "as_bytes",
     "decode",
+    "decode_in_place",
     "element_width",
     "encode",
     "sparse_size",
@@ -68,10 +69,6 @@ MAGIC: Final = b"FSD1"
 HEADER: Final = struct.Struct("<4sBBHQQQ")
 """magic, kind, element width, reserved (0), size of the new bytes, payload bytes, xxh3-64 of the new
 bytes: 32 bytes, little-endian."""
-
-BLOCK_BITS: Final = 16
-BLOCK: Final = 1 << BLOCK_BITS
-"""Elements per index block: an index inside a block fits ``uint16``."""
 
 DEFAULT_MAX_RATIO: Final = 0.5
 """The sparse form is used when it is at most this fraction of the raw bytes (at 0.5: a quarter of the
@@ -105,6 +102,40 @@ class DeltaDigestError(DeltaCorruptedError):
 
 
 @dataclass(frozen=True)
+class Patch:
+    """What an in-place update overwrote in a base, to write back with :meth:`apply`: the old values of
+    the elements it changed (indices blocked as in a sparse payload, so it costs about what the delta
+    costs on the wire), or the whole old bytes (:attr:`whole`, when the update rewrote everything)."""
+
+    width: int
+    counts: npt.NDArray[np.uint32]
+    """Changed elements per index block."""
+    low: npt.NDArray[np.uint16]
+    """Each changed element's index inside its block."""
+    values: npt.NDArray[np.unsignedinteger]
+    """The old values of the changed elements."""
+    tail: Bytes
+    """The old bytes past the last whole element."""
+    whole: Bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.whole is not None:
+            return int(self.whole.nbytes)
+        return int(self.counts.nbytes + self.low.nbytes + self.values.nbytes + self.tail.nbytes)
+
+    def apply(self, base: object) -> None:
+        """Writes the old bytes back into ``base`` (the bytes this patch was taken from, updated since)."""
+        target = as_bytes(base)
+        if self.whole is not None:
+            target[:] = self.whole
+            return
+        elements, tail = _elements(target, self.width)
+        elements[positions(self.counts, self.low)] = self.values
+        tail[:] = self.tail
+
+
+@dataclass(frozen=True)
 class Delta:
     """One encoded bucket: :attr:`header` then :attr:`parts`, to be sent in that order (or joined by
     :meth:`tobytes`). A ``RAW`` part is a view of the new bytes given to :func:`encode`: send it before
@@ -120,6 +151,8 @@ class Delta:
     """Elements (of ``width`` bytes) that differ from the base; None for ``RAW`` (counting stops as soon
     as the sparse form is too large)."""
     parts: tuple[Bytes, ...]
+    undo: Patch | None = None
+    """With ``encode(..., undo=True)`` and a sparse outcome: what puts the base back as it was."""
 
     @property
     def payload_bytes(self) -> int:
@@ -168,173 +201,15 @@ def _elements(buf: Bytes, width: int) -> tuple[npt.NDArray[np.unsignedinteger], 
     return buf[:whole].view(_DTYPES[width]), buf[whole:]
 
 
-def _blocks(elements: int) -> int:
-    return -(-elements // BLOCK)
-
-
 def _pad8(nbytes: int) -> int:
     return -nbytes % 8
 
 
 def sparse_size(size: int, width: int, changed: int) -> int:
     """Payload bytes of the sparse form of a ``size``-byte bucket with ``changed`` elements changed."""
-    counts = _COUNT.size + 4 * _blocks(size // width)
+    counts = _COUNT.size + 4 * blocks(size // width)
     indices = 2 * changed
     return counts + _pad8(counts) + indices + _pad8(indices) + width * changed + size % width
-
-
-SCAN: Final = 1 << 20
-"""Elements compared at a time: the changed-mask of one slice stays in cache and is reused, so a
-bucket costs no mask of its own size, and counting stops at the slice where the delta stops paying."""
-
-_CPUS: Final = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-THREADS: Final = max(1, min(8, _CPUS))
-"""Threads comparing one tensor's slices (numpy releases the GIL while it compares): the compare is
-most of a sparse encode's time, and a sending trainer rank's cores are idle while it syncs. The CPUs
-this process may run on, at most 8: the compare is bound by memory bandwidth long before that."""
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _threads() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="fastsync-delta")
-        return _pool
-
-
-def _forget_threads() -> None:
-    """In a forked child: the parent's threads do not exist here (work given to them would never run)."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_threads)
-
-
-class _Budget:
-    """The changed elements found so far by every slice of one compare, and the most that may be."""
-
-    def __init__(self, most: float) -> None:
-        self.most = most
-        self.found = 0
-        self._lock = threading.Lock()
-
-    def add(self, count: int) -> bool:
-        """Count ``count`` more; False once the total is past the most."""
-        with self._lock:
-            self.found += count
-            return self.found <= self.most
-
-    @property
-    def over(self) -> bool:
-        return self.found > self.most
-
-
-@dataclass
-class _Changes:
-    """The changed elements of one range of whole index blocks."""
-
-    counts: npt.NDArray[np.uint32]
-    """Changed elements per block of the range."""
-    low: npt.NDArray[np.uint16]
-    """Each changed element's index inside its block, ascending."""
-    values: npt.NDArray[np.unsignedinteger]
-    """The new values of the changed elements."""
-
-
-def _changes_in(
-    old: npt.NDArray[np.unsignedinteger],
-    new: npt.NDArray[np.unsignedinteger],
-    start: int,
-    stop: int,
-    scan: int,
-    budget: _Budget,
-    update_base: bool,
-) -> _Changes | None:
-    """The changed elements in ``[start, stop)`` (``start`` a multiple of :data:`BLOCK`), compared
-    ``scan`` elements at a time; None once the budget is spent (here or by another range).
-    ``update_base``: ``old`` takes the new values. Each slice's indices live only while that slice
-    is handled: what stays is 2 + width bytes per changed element."""
-    mask = np.empty(min(scan, stop - start), dtype=np.bool_)
-    counts = np.zeros(_blocks(stop - start), dtype=np.uint32)
-    low: list[npt.NDArray[np.uint16]] = []
-    values: list[npt.NDArray[np.unsignedinteger]] = []
-    for at in range(start, stop, scan):
-        if budget.over:
-            return None
-        end = min(at + scan, stop)
-        np.not_equal(old[at:end], new[at:end], out=mask[: end - at])
-        if not budget.add(int(np.count_nonzero(mask[: end - at]))):
-            return None  # (counted before the indices are built: a fully changed slice costs no index)
-        index = np.flatnonzero(mask[: end - at])
-        if not index.size:
-            continue
-        changed = new[at:end][index]
-        if update_base:
-            old[at:end][index] = changed
-        values.append(changed)
-        index += at - start  # from here: the index inside this range (which starts on a block)
-        low.append(index.astype(np.uint16))
-        first, last = int(index[0]) >> BLOCK_BITS, int(index[-1]) >> BLOCK_BITS
-        counts[first : last + 1] += np.bincount((index >> BLOCK_BITS) - first).astype(np.uint32)
-        del index, changed
-    return _Changes(
-        counts,
-        np.concatenate(low) if low else np.empty(0, dtype=np.uint16),
-        np.concatenate(values) if values else np.empty(0, dtype=new.dtype),
-    )
-
-
-def _changes(
-    old: npt.NDArray[np.unsignedinteger],
-    new: npt.NDArray[np.unsignedinteger],
-    most: float,
-    update_base: bool,
-) -> list[_Changes] | None:
-    """The changed elements of ``old`` and ``new``, by ranges in order; None once there are more than
-    ``most``. Tensors of several :data:`SCAN` slices are compared by :data:`THREADS` threads, each a
-    range of whole index blocks compared ``SCAN / ranges`` elements at a time (the threads' masks
-    together are one slice's, whatever the thread count); the count is shared, so every range stops
-    once the delta stops paying."""
-    if most < 0:
-        return None
-    budget = _Budget(most)
-    slices = -(-old.size // SCAN)
-    ranges = min(THREADS, slices)
-    if ranges <= 1:
-        one = _changes_in(old, new, 0, old.size, SCAN, budget, update_base)
-        return None if one is None else [one]
-    scan = max(1, SCAN // ranges)  # the threads' masks together are one SCAN slice's
-    step = -(-slices // ranges) * SCAN
-    step = -(-step // BLOCK) * BLOCK  # ranges of whole index blocks: their counts join in order
-    pool = _threads()
-    parts = [
-        pool.submit(_changes_in, old, new, start, min(start + step, old.size), scan, budget, update_base)
-        for start in range(0, old.size, step)
-    ]
-    wait(parts)  # every range is done with the base before anything is returned or raised
-    results = [part.result() for part in parts]
-    return None if any(r is None for r in results) else [r for r in results if r is not None]
-
-
-SAMPLE: Final = 16384
-"""Evenly spaced elements compared before a tensor of at least 4x as many is scanned."""
-
-
-def _sample_says_raw(
-    old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger], most: float
-) -> bool:
-    """A sample changed at 1.25x the fraction the sparse form can afford (re-initialised or heavily
-    trained weights): send raw without scanning, which would build a large index before its count
-    stops it. Only speed depends on it: a sample that errs either way still yields exact bytes."""
-    if old.size < 4 * SAMPLE:
-        return False
-    stride = old.size // SAMPLE
-    changed = int(np.count_nonzero(old[::stride] != new[::stride]))
-    return changed / -(-old.size // stride) > 1.25 * most / old.size
 
 
 def encode(
@@ -344,11 +219,14 @@ def encode(
     *,
     max_ratio: float = DEFAULT_MAX_RATIO,
     update_base: bool = False,
+    undo: bool = False,
 ) -> Delta:
     """The delta of ``new`` from ``base`` (equal lengths), comparing elements of ``width`` bytes: sparse
     when that payload is at most ``max_ratio`` of ``new``'s bytes, else raw. ``update_base``: ``base``
     (writable) holds ``new``'s bytes afterwards, written only where they changed when the delta is
-    sparse."""
+    sparse. ``undo`` (with ``update_base``): a sparse delta carries the :class:`Patch` that puts the
+    base back (:attr:`Delta.undo`), and a raw one leaves the base as it was (the caller keeps or
+    replaces it) instead of copying ``new`` into it."""
     if width not in _DTYPES:
         raise DeltaError(f"element width must be one of {sorted(_DTYPES)}, got {width}")
     if not 0.0 <= max_ratio <= 1.0:
@@ -358,14 +236,22 @@ def encode(
         raise DeltaError(f"base has {old.size} bytes, new has {now.size}: a delta needs equal lengths")
     if update_base and not old.flags.writeable:
         raise DeltaError("update_base needs a writable base")
+    if undo and not update_base:
+        raise DeltaError("undo needs update_base (there is nothing to undo otherwise)")
     digest = xxhash.xxh3_64_intdigest(now.data)
     old_el, old_tail = _elements(old, width)
     now_el, now_tail = _elements(now, width)
     most = (max_ratio * now.size - sparse_size(now.size, width, 0)) / (2 + width)
-    found = None if _sample_says_raw(old_el, now_el, most) else _changes(old_el, now_el, most, update_base)
+    found = (
+        None if sample_says_raw(old_el, now_el, most) else changes(old_el, now_el, most, update_base, undo)
+    )
     changed = 0 if found is None else sum(part.low.size for part in found)
     if found is None or now.size == 0 or sparse_size(now.size, width, changed) > max_ratio * now.size:
-        if update_base:  # (the first test is the early stop; the last adds index padding to it)
+        # (the first test is the early stop; the last adds index padding to it)
+        if undo:
+            for part in found or ():
+                part.put_back(old_el)
+        elif update_base:
             old[:] = now  # (also where a range already wrote its changed values)
         return Delta(Kind.RAW, width, now.size, digest, None, (now,))
     counts = np.concatenate([part.counts for part in found])
@@ -382,9 +268,13 @@ def encode(
         values.view(np.uint8),
         now_tail.copy(),
     )
+    patch = None
+    if undo:
+        before = np.concatenate([part.before for part in found if part.before is not None])
+        patch = Patch(width, counts, low, before, old_tail.copy())
     if update_base:
         old_tail[:] = now_tail
-    return Delta(Kind.SPARSE, width, now.size, digest, changed, parts)
+    return Delta(Kind.SPARSE, width, now.size, digest, changed, parts, patch)
 
 
 def _parse(encoded: Bytes, base_size: int) -> tuple[Kind, int, int, Bytes]:
@@ -409,9 +299,20 @@ def _parse(encoded: Bytes, base_size: int) -> tuple[Kind, int, int, Bytes]:
     return Kind(kind), width, digest, encoded[HEADER.size :]
 
 
-def _sparse_parts(payload: Bytes, size: int, width: int) -> tuple[npt.NDArray[np.int64], Bytes, Bytes]:
-    """Indices (checked in range), values and tail bytes of a sparse payload, before anything is
-    written."""
+@dataclass(frozen=True)
+class _Sparse:
+    """A sparse payload's parts, checked before anything is written."""
+
+    counts: npt.NDArray[np.uint32]
+    low: npt.NDArray[np.uint16]
+    index: npt.NDArray[np.int64]
+    """The changed elements' indices (in range)."""
+    values: Bytes
+    tail: Bytes
+
+
+def _sparse_parts(payload: Bytes, size: int, width: int) -> _Sparse:
+    """The parts of a sparse payload, checked before anything is written."""
     elements = size // width
     if payload.size < _COUNT.size:
         raise DeltaCorruptedError("sparse delta truncated before its count")
@@ -420,10 +321,10 @@ def _sparse_parts(payload: Bytes, size: int, width: int) -> tuple[npt.NDArray[np
         raise DeltaCorruptedError(
             f"sparse delta of {payload.size} bytes does not fit {changed} changed of {elements} elements"
         )
-    blocks = _blocks(elements)
+    count_blocks = blocks(elements)
     at = _COUNT.size
-    counts = payload[at : at + 4 * blocks].view(np.uint32)
-    at += 4 * blocks
+    counts = payload[at : at + 4 * count_blocks].view(np.uint32)
+    at += 4 * count_blocks
     padding = [payload[at : at + _pad8(at)]]
     at += _pad8(at)
     low = payload[at : at + 2 * changed].view(np.uint16)
@@ -434,13 +335,12 @@ def _sparse_parts(payload: Bytes, size: int, width: int) -> tuple[npt.NDArray[np
         raise DeltaCorruptedError("sparse delta's padding is not zero")
     values = payload[at : at + width * changed]
     tail = payload[at + width * changed :]
-    if int(counts.sum(dtype=np.uint64)) != changed or (blocks and int(counts.max()) > BLOCK):
+    if int(counts.sum(dtype=np.uint64)) != changed or (count_blocks and int(counts.max()) > BLOCK):
         raise DeltaCorruptedError("sparse delta's block counts do not add up to its changed elements")
-    starts = np.arange(blocks, dtype=np.int64) << BLOCK_BITS
-    index = np.repeat(starts, counts.astype(np.int64)) + low.astype(np.int64)
+    index = positions(counts, low)
     if changed and int(index.max()) >= elements:
         raise DeltaCorruptedError(f"sparse delta names element {int(index.max())} of {elements}")
-    return index, values, tail
+    return _Sparse(counts, low, index, values, tail)
 
 
 def decode(base: object, encoded: object, out: object = None) -> Bytes:
@@ -449,35 +349,64 @@ def decode(base: object, encoded: object, out: object = None) -> Bytes:
     is updated in place, and is left unchanged when this raises). Raises :class:`DeltaCorruptedError`
     for an encoding that is truncated, corrupted or made for another size, and
     :class:`DeltaDigestError` when the rebuilt bytes are not the sender's."""
-    old, enc = as_bytes(base), as_bytes(encoded)
-    kind, width, digest, payload = _parse(enc, old.size)
+    old = as_bytes(base)
     target = np.empty(old.size, dtype=np.uint8) if out is None else as_bytes(out)
+    _rebuild(old, as_bytes(encoded), target, undo=False)
+    return target
+
+
+def decode_in_place(base: object, encoded: object) -> Patch:
+    """Rebuilds the new bytes into ``base`` itself and returns the :class:`Patch` that puts it back
+    (about the encoding's size; the whole old bytes for a raw encoding). Raises as :func:`decode`,
+    leaving ``base`` unchanged."""
+    old = as_bytes(base)
+    patch = _rebuild(old, as_bytes(encoded), old, undo=True)
+    if patch is None:  # (cannot be: in place with undo always has one)
+        raise AssertionError("decode_in_place: no patch")
+    return patch
+
+
+def _rebuild(old: Bytes, enc: Bytes, target: Bytes, *, undo: bool) -> Patch | None:
+    """Writes the new bytes to ``target``; in place (``target`` is ``old``) with ``undo``: returns what
+    puts ``old`` back."""
+    kind, width, digest, payload = _parse(enc, old.size)
     if target.size != old.size or not target.flags.writeable:
         raise DeltaError(f"out must be writable and hold {old.size} bytes")
-    in_place = target.size > 0 and target.__array_interface__["data"][0] == old.__array_interface__["data"][0]
+    in_place = target is old or (
+        target.size > 0 and target.__array_interface__["data"][0] == old.__array_interface__["data"][0]
+    )
     if not in_place and np.shares_memory(target, old):
         raise DeltaError("out overlaps the base without being it")
+    empty = np.empty(0, dtype=np.uint8)
     if kind is Kind.RAW:
         if payload.size != old.size:
             raise DeltaCorruptedError(f"raw delta carries {payload.size} bytes for a {old.size}-byte base")
         _check_digest(payload, digest)
+        whole = old.copy() if undo and in_place else None
         target[:] = payload
-        return target
-    index, values, tail = _sparse_parts(payload, old.size, width)
+        return (
+            None
+            if whole is None
+            else Patch(width, np.empty(0, np.uint32), np.empty(0, np.uint16), empty, empty, whole)
+        )
+    sparse = _sparse_parts(payload, old.size, width)
     if not in_place:
         target[:] = old
     target_el, target_tail = _elements(target, width)
-    saved, saved_tail = target_el[index], target_tail.copy()
-    target_el[index] = values.view(_DTYPES[width])
-    target_tail[:] = tail
+    saved, saved_tail = target_el[sparse.index], target_tail.copy()
+    target_el[sparse.index] = sparse.values.view(_DTYPES[width])
+    target_tail[:] = sparse.tail
     try:
         _check_digest(target, digest)
     except DeltaDigestError:
         if in_place:
-            target_el[index] = saved
+            target_el[sparse.index] = saved
             target_tail[:] = saved_tail
         raise
-    return target
+    if not (undo and in_place):
+        return None
+    # the encoding's memory may be the transport's (lent): the patch keeps copies
+    return Patch(width, sparse.counts.copy(), sparse.low.copy(), saved, saved_tail)
 
 
 def _check_digest(data: Bytes, digest: int) -> None:

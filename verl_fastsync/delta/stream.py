@@ -18,18 +18,23 @@ What goes on the wire, per tensor:
 A sync diffs against a base only when the sender and every receiver hold the same epoch (the engine
 compares them in ``build_topology``, the handshake verl already runs); otherwise the sync is *full*:
 every tensor goes as itself and every side rebuilds its base. A side adopts the new epoch only when
-its part of the sync ended cleanly; a sync that fails on a side leaves that side with no epoch, so the
-next sync is full (a failed sync may have updated part of the base: it is never used). Tensors not
-sent in a sync leave the base when the sync ends (a tensor removed from the model).
+its part of the sync ended cleanly. While a delta sync runs, each side keeps an undo journal of what
+it changed in its base (the old values of the elements a delta rewrote: about the delta's size; the
+entry a raw tensor replaced); a sync that fails puts the base back at the epoch it diffed against, so
+the next sync diffs against it again. A journal that would pass :data:`UNDO_FRACTION` of the base's
+bytes is dropped, and a full sync keeps none: such a sync that fails leaves that side with no epoch,
+and the next sync is full (a half-updated base is never used). Tensors not sent in a sync leave the
+base when the sync ends (a tensor removed from the model).
 
 **Memory.** The base is the model's bytes in host memory on the sending rank (its share, with several
-senders) and on every receiving rank. A receiver lends the consumer a view of the base it rebuilt; a
+senders) and on every receiving rank, plus the undo journal during a delta sync (at most
+:data:`UNDO_FRACTION` of it). A receiver lends the consumer a view of the base it rebuilt; a
 base the consumer still holds is never written again (the next sync rebuilds that tensor into new
 memory and drops the old one), a base it let go of is rebuilt in place. So the consumer may hold what
 it was given for as long as it likes. A consumer that writes into a yielded tensor changes the base;
 the next delta sync then fails its digest check (naming the tensor) and the sync after it is full.
 
-Imports torch, numpy and :mod:`verl_fastsync.delta.codec` only (no verl, no transport).
+Imports torch, numpy and the other ``verl_fastsync.delta`` modules only (no verl, no transport).
 """
 
 from __future__ import annotations
@@ -44,19 +49,23 @@ from typing import Final
 import numpy as np
 import torch
 
+from verl_fastsync.delta.bases import UNDO_FRACTION, Base, UndoJournal
 from verl_fastsync.delta.codec import (
     DEFAULT_MAX_RATIO,
     HEADER,
     DeltaError,
     Kind,
+    Patch,
     as_bytes,
     decode,
+    decode_in_place,
     encode,
 )
-from verl_fastsync.io.lending import Lease, lend
+from verl_fastsync.io.lending import lend
 
 __all__ = [
     "DELTA_PREFIX",
+    "UNDO_FRACTION",
     "DeltaDecoder",
     "DeltaEncoder",
     "DeltaStats",
@@ -159,53 +168,94 @@ def _unpack_header(data: np.ndarray, peer: str) -> tuple[torch.dtype, tuple[int,
     return dtype, tuple(int(d) for d in shape), at + (-at % 8)
 
 
-@dataclasses.dataclass
-class _Base:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    data: torch.Tensor
-    """Flat ``uint8`` host bytes."""
-    lease: Lease | None = None
-    """A receiver's: what the consumer was given of :attr:`data` (while active, never written)."""
-
-    def writable(self) -> bool:
-        """The consumer holds nothing of this base: the next sync may rebuild it in place."""
-        return self.lease is not None and not self.lease.active
-
-
 class _Side:
     """What the sender and a receiver share: the base, its epoch, the sync's bookkeeping."""
 
     role = "side"
 
     def __init__(self) -> None:
-        self.base: dict[str, _Base] = {}
+        self.base: dict[str, Base] = {}
         self.epoch: str | None = None
         """Epoch of the base (None: no usable base)."""
         self.full_syncs = 0
         """Full syncs this side ran (the first one included)."""
         self.stats = DeltaStats()
         self.who = "delta sync"
+        self.rolled_back = 0
+        """Failed delta syncs whose base was put back at the epoch they diffed against."""
         self._against: str | None = None
         self._next: str | None = None
+        self._open = False
+        self._journal: UndoJournal | None = None
         self._seen: set[str] = set()
+
+    def settle(self) -> None:
+        """A sync that began and did not commit failed: put the base back at the epoch it diffed
+        against (its journal is whole), or leave this side without an epoch. The engine calls this
+        before it reports the epoch for the next sync; :meth:`begin` calls it too."""
+        if not self._open:
+            return
+        self._open = False
+        journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.roll_back(self.base)
+            self.epoch = self._against
+            self.rolled_back += 1
+        self._seen = set()
 
     def begin(self, against: str | None, next_epoch: str, who: str = "delta sync") -> None:
         """A sync starts: diff against the base of epoch ``against`` (None: a full sync), and name the
         base it leaves ``next_epoch``."""
+        self.settle()
         if against is not None and against != self.epoch:
             raise DeltaSyncError(
                 f"{who}: the topology says diff against base {against}, this {self.role} holds "
                 f"{self.epoch or 'none'} (was the topology built from stale metadata?)"
             )
         self._against, self._next, self.who = against, next_epoch, who
-        self.epoch = None  # from here the base changes: usable again only after commit()
+        self.epoch = None  # from here the base changes: usable again only after commit() or settle()
         self._seen = set()
+        self._open = True
+        self._journal = UndoJournal(int(UNDO_FRACTION * self.base_bytes)) if against is not None else None
         self.stats = DeltaStats(delta_sync=against is not None)
         if against is None:
             self.full_syncs += 1
 
+    def _check_open(self) -> None:
+        if not self._open:
+            raise DeltaSyncError(f"{self.who}: no sync is running (begin() first; a failed sync ended)")
+
+    def _journal_patch(self, name: str, patch: Patch) -> None:
+        journal = self._journal
+        if journal is not None and not journal.room(patch.nbytes):
+            self._journal = None  # past the limit: a failure from here leaves no epoch
+        elif journal is not None:
+            journal.patches[name] = patch
+
+    @contextlib.contextmanager
+    def _journaled(self) -> Iterator[None]:
+        """A block that changes the base: if it raises, what it did may be in no journal, so the
+        journal is dropped (a failure then leaves no epoch rather than a wrong one)."""
+        try:
+            yield
+        except BaseException:
+            self._journal = None
+            raise
+
+    def _journal_replaced(self, name: str, old: Base | None) -> bool:
+        """Keeps ``old`` (replaced under ``name``) in the journal if it fits; False when there is no
+        journal (any more)."""
+        journal = self._journal
+        if journal is None:
+            return False
+        if not journal.room(0 if old is None else old.data.numel()):
+            self._journal = None
+            return False
+        journal.replaced[name] = old
+        return True
+
     def _take(self, name: str) -> None:
+        self._check_open()
         if name in self._seen:
             raise DeltaSyncError(f"{self.who}: tensor {name!r} came twice in one sync")
         self._seen.add(name)
@@ -213,9 +263,11 @@ class _Side:
     def commit(self) -> None:
         """This side's part of the sync ended cleanly: the base is the new epoch's; tensors not sent
         in it leave the base."""
+        self._check_open()
         for name in set(self.base) - self._seen:
             del self.base[name]
         self._seen = set()
+        self._open, self._journal = False, None
         self.epoch = self._next
 
     @contextlib.contextmanager
@@ -245,7 +297,7 @@ class DeltaEncoder(_Side):
 
     def encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """What to send for ``name`` (see the module docstring); the base holds ``tensor``'s bytes after."""
-        with self._timed():
+        with self._timed(), self._journaled():
             return self._encode(name, tensor)
 
     def _encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -265,16 +317,25 @@ class DeltaEncoder(_Side):
             and held.data.numel() == new.numel()
         )
         if not usable or held is None:
-            self.base[name] = _Base(tensor.dtype, shape, new if copied else new.clone())
+            self._journal_replaced(name, held)
+            self.base[name] = Base(tensor.dtype, shape, new if copied else new.clone())
             stats.raw_tensors += 1
             stats.wire_bytes += new.numel()
             return name, tensor
         width = _width(tensor)
-        delta = encode(held.data, new, width, max_ratio=self.max_ratio, update_base=True)
+        undo = self._journal is not None
+        delta = encode(held.data, new, width, max_ratio=self.max_ratio, update_base=True, undo=undo)
         if delta.kind is Kind.RAW:
+            if undo:  # the base is as it was: keep it in the journal, or write the new bytes into it
+                if self._journal_replaced(name, held):
+                    self.base[name] = Base(tensor.dtype, shape, new if copied else new.clone())
+                else:
+                    held.data.copy_(new)
             stats.raw_tensors += 1
             stats.wire_bytes += new.numel()
             return name, tensor
+        if delta.undo is not None:
+            self._journal_patch(name, delta.undo)
         head = _pack_header(tensor.dtype, shape)
         wire = np.empty(len(head) + delta.nbytes, dtype=np.uint8)
         wire[: len(head)] = np.frombuffer(head, dtype=np.uint8)
@@ -318,7 +379,7 @@ class DeltaDecoder(_Side):
     def decode(self, name: str, received: torch.Tensor) -> tuple[str, torch.Tensor]:
         """The full tensor for what arrived under ``name``; it becomes this side's base (a new tensor
         each sync: what the consumer holds from an earlier sync is never written)."""
-        with self._timed():
+        with self._timed(), self._journaled():
             return self._decode(name, received)
 
     def _decode(self, name: str, received: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -328,7 +389,10 @@ class DeltaDecoder(_Side):
             self._take(name)
             data, copied = _host_bytes(received)
             held = self.base.get(name)
-            if held is not None and held.writable() and held.data.numel() == data.numel():
+            reuse = held is not None and held.writable() and held.data.numel() == data.numel()
+            if self._journal is not None and self._journal_replaced(name, held):
+                reuse = False  # the journal keeps the old entry: the new bytes go to new memory
+            if reuse and held is not None:
                 held.data.copy_(data)  # the consumer let go of the last one: reuse its memory
                 data = held.data
             elif not copied:
@@ -350,9 +414,15 @@ class DeltaDecoder(_Side):
                 "under that name"
             )
         # in place when the consumer let go of the last one (the codec restores it if it fails)
-        out = held.data if held.writable() else torch.empty(held.data.numel(), dtype=torch.uint8)
+        in_place = held.writable()
+        out = held.data if in_place else torch.empty(held.data.numel(), dtype=torch.uint8)
         try:
-            decode(held.data, wire[at:], out=out)
+            if in_place and self._journal is not None:
+                self._journal_patch(name, decode_in_place(held.data, wire[at:]))
+            else:
+                decode(held.data, wire[at:], out=out)
+                if not in_place:
+                    self._journal_replaced(name, held)
         except DeltaError as exc:
             raise DeltaSyncError(
                 f"{self.who}: tensor {name!r}: {exc} (did the consumer write into a tensor it was given "
@@ -371,10 +441,10 @@ class DeltaDecoder(_Side):
         """``data`` becomes the base of ``name``; the consumer gets a lent view of it (the lease says
         when it let go, so that the next sync can rebuild it in place)."""
         if data.numel() == 0:
-            self.base[name] = _Base(dtype, shape, data)
+            self.base[name] = Base(dtype, shape, data)
             return torch.empty(shape, dtype=dtype)
         lent, lease = lend(data)
-        self.base[name] = _Base(dtype, shape, data, lease)
+        self.base[name] = Base(dtype, shape, data, lease)
         return _as_tensor(lent, dtype, shape)
 
 

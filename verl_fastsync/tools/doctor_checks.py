@@ -222,7 +222,8 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
     """(problem or None, note) for ``engine_kwargs.fastsync.delta=true``: the base costs the model's
     bytes in host memory on the sending trainer rank and on every rollout rank. The model's size is
     read from the checkpoint files at ``actor_rollout_ref.model.path`` when that is a local
-    directory; this host's ``MemAvailable`` must hold it (a problem if it cannot)."""
+    directory; this host's ``MemAvailable`` must hold it and the undo journal of a delta sync (an
+    eighth more; a problem if it cannot)."""
     available = host_memory_available() if available is None else available
     path = next(
         (o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == MODEL_PATH_KEY), None
@@ -238,13 +239,15 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
         )
     note = (
         f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes in host memory on the sending trainer "
-        f"rank and on every rollout rank: about {size / gib:.2f} GiB (the checkpoint at {path}), {have}"
+        f"rank and on every rollout rank: about {size / gib:.2f} GiB (the checkpoint at {path}), up to "
+        f"an eighth more during a delta sync (its undo journal), {have}"
     )
-    if size > available:
+    need = size + size // 8  # the base, and its undo journal during a delta sync
+    if need > available:
         return (
-            f"{ENGINE_KEY_PREFIX}.delta=true: the base needs about {size / gib:.2f} GiB of host memory "
-            f"(the checkpoint at {path}) and this host has {available / gib:.2f} GiB available; "
-            "set delta=false or free host memory",
+            f"{ENGINE_KEY_PREFIX}.delta=true: the base needs about {need / gib:.2f} GiB of host memory "
+            f"(the checkpoint at {path}, plus an eighth for the undo journal during a delta sync) and "
+            f"this host has {available / gib:.2f} GiB available; set delta=false or free host memory",
             note,
         )
     return None, note

@@ -49,8 +49,11 @@ Select it with::
   sync, and every receiver rebuilds the full tensor before yielding it (:mod:`verl_fastsync.delta.stream`).
   The trainer's sending rank and every rollout rank keep the last synced weights in host memory (the
   model's bytes; a sender with several senders its share). A sync diffs only when every side holds
-  the same base (compared in ``build_topology``); otherwise, after a failed sync and for the first
-  one, it is full (``fastsync/transfer/delta_full_syncs`` counts them). Receivers yield host tensors.
+  the same base (compared in ``build_topology``); otherwise, for the first one, it is full
+  (``fastsync/transfer/delta_full_syncs`` counts them). A delta sync that fails puts every side's
+  base back at the epoch it diffed against (an undo journal of at most an eighth of the base), so
+  the next sync diffs again; only a failed sync whose journal was dropped is followed by a full one.
+  Receivers yield host tensors.
 
 ``send_weights`` returns ``fastsync/transfer/*`` metrics (bytes, buckets, chunks, tensors, seconds,
 gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_metrics`` after
@@ -68,6 +71,7 @@ or, when the adapter returned before the last tensor, with "the consumer stopped
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from typing import Any
@@ -88,6 +92,8 @@ from verl_fastsync.transports.base import (
     consumer_error,
 )
 from verl_fastsync.transports.lanes import LanesTransport, lanes_topology
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AUTO_CAP",
@@ -248,7 +254,18 @@ class FastsyncCheckpointEngine(CheckpointEngine):
 
     def _delta_epoch(self) -> str | None:
         side = self.delta_encoder or self.delta_decoder
-        return None if side is None else side.epoch
+        if side is None:
+            return None
+        rolled_back = side.rolled_back
+        side.settle()  # a failed last sync puts its base back (or leaves none) before it is reported
+        if side.rolled_back > rolled_back:
+            logger.warning(
+                "fastsync: the last sync failed; this %s's delta base is back at epoch %s, the next "
+                "sync diffs against it if every side holds it",
+                side.role,
+                side.epoch,
+            )
+        return side.epoch
 
     def _buffer_device(self) -> str:
         """Where this rank's bucket buffers live (``auto`` sizes against that memory)."""
