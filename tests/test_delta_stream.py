@@ -332,3 +332,33 @@ def test_a_base_the_consumer_let_go_of_is_rebuilt_in_place_one_it_holds_is_not()
     moved = {name for name, ptr in where.items() if decoder.base[name].data.data_ptr() != ptr}
     assert moved == {"master"}, moved  # only the held one got new memory
     assert kept.data_ptr() == where["master"]
+
+
+def test_a_delta_stream_flushes_a_bucket_per_bucket_of_model_bytes() -> None:
+    """``flush_every`` over a delta stream: a FLUSH_BUCKET after each ``every`` bytes of the model (not
+    of the small deltas), so a sending transport posts buckets as often as a full sync would."""
+    from verl_fastsync.chunks import FLUSH_BUCKET
+    from verl_fastsync.transports.sending import flush_every
+
+    gen = torch.Generator().manual_seed(43)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = [(f"w{i}", torch.randn(1000, generator=gen).to(torch.bfloat16)) for i in range(10)]  # 2000 B each
+    _sync(encoder, [decoder], model, "a")
+    encoder.begin("a", "b")
+
+    async def collect() -> list[object]:
+        return [
+            item
+            async for item in flush_every(
+                encoder.stream(_step(model, gen, 0.02)), 5000, lambda: encoder.stats.model_bytes
+            )
+        ]
+
+    items = asyncio.run(collect())
+    marks = [i for i, item in enumerate(items) if item is FLUSH_BUCKET]
+    assert marks == [3, 7, 11], marks  # after tensors 3, 6 and 9 (6000 bytes each time)
+    assert all(
+        isinstance(item, tuple) and item[0].startswith(DELTA_PREFIX)
+        for item in items
+        if item is not FLUSH_BUCKET
+    )

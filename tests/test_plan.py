@@ -179,3 +179,38 @@ def test_host_source_into_device_bucket_is_fenced_before_add_returns(dst_device:
     log.clear()
     planner.finish()
     assert log == ["wait"]  # the per-bucket fence still runs at close
+
+
+def test_flush_closes_the_open_bucket_and_the_layout_stays_whole() -> None:
+    """``flush`` sends what the open bucket holds (a split tensor's tail included) and the next
+    tensor starts a new bucket; a flush of an empty bucket makes none; the bytes round-trip."""
+    gen = torch.Generator().manual_seed(0)
+    named = [(n, torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+             for n, size in (("a", 100), ("b", 200), ("big", 2500), ("c", 40))]  # fmt: skip
+    planner = BucketPlanner(1024)
+    out: list[Bucket] = []
+    out += planner.flush()  # nothing open yet: no bucket
+    out += planner.add(*named[0])
+    out += planner.flush()
+    out += planner.flush()  # again: nothing open
+    out += planner.add(*named[1])
+    out += planner.add(*named[2])
+    out += planner.flush()  # the split tensor's tail goes now
+    out += planner.add(*named[3])
+    out += planner.finish()
+    assert _layout(out) == [
+        [("a", 0, 100)],
+        [("b", 0, 200), ("big", 0, 816)],
+        [("big", 816, 1024)],
+        [("big", 1840, 660)],
+        [("c", 0, 40)],
+    ]
+    assert [b.index for b in out] == [0, 1, 2, 3, 4]
+    asm = Assembler()
+    got = {
+        name: tensor.clone()
+        for bucket in out
+        for meta, data in bucket
+        for name, tensor in asm.feed(meta, data)
+    }
+    assert all(torch.equal(got[n], t) for n, t in named)

@@ -34,9 +34,11 @@ from verl_fastsync.chunks.meta import (
     validate_bucket_size,
 )
 from verl_fastsync.chunks.plan import (
+    FLUSH_BUCKET,
     AlignSpec,
     Bucket,
     BucketPlanner,
+    FlushBucket,
     aplan_buckets,
     expert_alignment,
     pack_bucket,
@@ -47,6 +49,7 @@ from verl_fastsync.chunks.plan import (
 __all__ = [
     "BUCKET_ALIGN",
     "CHUNK_SCHEMA_VERSION",
+    "FLUSH_BUCKET",
     "AlignSpec",
     "Allocate",
     "Assembler",
@@ -58,6 +61,7 @@ __all__ = [
     "ChunkMismatchError",
     "DuplicateTensorError",
     "EmptySyncError",
+    "FlushBucket",
     "IncompleteTensorError",
     "aassemble",
     "aplan_buckets",

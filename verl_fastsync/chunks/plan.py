@@ -34,6 +34,8 @@ Where the bytes go: ``acquire(bucket_index)`` returns the flat ``uint8`` buffer 
 transport blocks there until the slot is free); without it, each bucket gets a fresh host buffer.
 A full bucket goes to ``on_full(bucket)`` at once (a transport posts it there, before the planner
 waits for the next slot), or, without ``on_full``, is returned by ``add``/``finish``.
+:meth:`BucketPlanner.flush` closes the open bucket before it is full (a sending transport does so
+for a :data:`FLUSH_BUCKET` item in its stream).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, Union
+from typing import Any, Final, TypeAlias, Union
 
 import torch
 
@@ -60,9 +62,11 @@ from verl_fastsync.chunks.meta import (
 from verl_fastsync.io.fence import DeviceFence
 
 __all__ = [
+    "FLUSH_BUCKET",
     "AlignSpec",
     "Bucket",
     "BucketPlanner",
+    "FlushBucket",
     "aplan_buckets",
     "expert_alignment",
     "pack_bucket",
@@ -73,6 +77,19 @@ __all__ = [
 AlignSpec: TypeAlias = Union[Callable[[str, torch.Tensor], "int | None"], Mapping[str, int], None]  # noqa: UP007
 """Per-tensor alignment in bytes: a callable ``(name, tensor) -> int | None``, a mapping name -> int,
 or ``None`` (no alignment). :func:`expert_alignment` and ``leading_slice_bytes`` are the usual values."""
+
+
+class FlushBucket:
+    """The type of :data:`FLUSH_BUCKET`."""
+
+    def __repr__(self) -> str:
+        return "FLUSH_BUCKET"
+
+
+FLUSH_BUCKET: Final = FlushBucket()
+"""An item a sending transport's stream may carry between tensors: the open bucket goes out now,
+without waiting to fill. A delta stream carries one after each bucket's worth of *model* bytes (its
+deltas are a fraction of that), so receivers rebuild one part while the sender encodes the next."""
 
 Acquire: TypeAlias = Callable[[int], torch.Tensor]
 """``acquire(bucket_index)`` -> flat ``uint8`` buffer of at least ``bucket_size`` bytes."""
@@ -262,6 +279,12 @@ class BucketPlanner:
             if self._offset >= size:
                 self._close()
         self._tail_here = bool(self._bucket.chunks)  # the tail sits in the open bucket
+        return self._take()
+
+    def flush(self) -> list[Bucket]:
+        """Close the open bucket now if it holds anything (a split tensor's tail included); return the
+        buckets not yet handed to ``on_full``."""
+        self._close()
         return self._take()
 
     def finish(self) -> list[Bucket]:

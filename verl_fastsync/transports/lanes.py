@@ -33,11 +33,11 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from verl_fastsync.chunks import AlignSpec
+from verl_fastsync.chunks import FLUSH_BUCKET, AlignSpec, FlushBucket
 from verl_fastsync.transports.base import (
     ConsumerError,
     EngineTransport,
@@ -56,7 +56,7 @@ from verl_fastsync.transports.lanes_plan import (
     read_manifest,
     tensor_nbytes,
 )
-from verl_fastsync.transports.sending import aiter_items
+from verl_fastsync.transports.sending import SendingTransport, aiter_items
 
 __all__ = ["LanesTransport", "lanes_topology"]
 
@@ -249,18 +249,31 @@ class LanesTransport(EngineTransport):
         plan = LanePlan(len(self.senders))
         manifest_bytes = 0
         encode = self.encode_item
+        transport = self.lanes[0]
+        # encoded items are a fraction of the bytes they stand for: a bucket goes out after each
+        # bucket's worth of this share's model bytes, as a full sync's would (see FLUSH_BUCKET)
+        every = transport.bucket_size if encode is not None and isinstance(transport, SendingTransport) else 0
 
-        async def share() -> AsyncIterator[tuple[str, torch.Tensor]]:
+        async def share() -> AsyncIterator[tuple[str, torch.Tensor] | FlushBucket]:
             nonlocal manifest_bytes
+            since = 0
             async for name, tensor in aiter_items(named_tensors):
-                if plan.assign(name, tensor_nbytes(tensor)) == self.lane:
+                nbytes = tensor_nbytes(tensor)
+                if plan.assign(name, nbytes) == self.lane:
                     yield encode(name, tensor) if encode is not None else (name, tensor)
+                    since += nbytes
+                    if every and since >= every:
+                        since = 0
+                        yield FLUSH_BUCKET
                 del tensor  # not ours, or the transport owns its bytes now
             manifest = manifest_tensor(plan.manifest(self.lane, self.senders[self.lane]))
             manifest_bytes = tensor_nbytes(manifest)
             yield MANIFEST_NAME, manifest
 
-        stats = await self.lanes[0].send(share(), align=align)
+        if isinstance(transport, SendingTransport):
+            stats = await transport.send(share(), align=align)
+        else:  # (which never flushes: ``every`` is 0)
+            stats = await transport.send(cast(AsyncIterator[tuple[str, torch.Tensor]], share()), align=align)
         self.model_bytes = plan.total_bytes
         stats = dataclasses.replace(
             stats, bytes=stats.bytes - manifest_bytes, tensors=max(stats.tensors - 1, 0)

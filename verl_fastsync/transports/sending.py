@@ -13,17 +13,19 @@ from __future__ import annotations
 import time
 import uuid
 from abc import abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable
 from typing import Any
 
 import msgspec
 import torch
 
 from verl_fastsync.chunks import (
+    FLUSH_BUCKET,
     AlignSpec,
     Bucket,
     BucketPlanner,
     ChunkMeta,
+    FlushBucket,
     chunk_checksum,
     unpack_item,
 )
@@ -32,7 +34,9 @@ from verl_fastsync.transports.base import SENDER_RANK, TransferStats, TransportE
 from verl_fastsync.transports.lifecycle import InFlight, TransportCore
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
-__all__ = ["SendingTransport", "aiter_items"]
+__all__ = ["SendingTransport", "aiter_items", "flush_every"]
+
+Item = tuple[str, torch.Tensor]
 
 
 class SendingTransport(TransportCore):
@@ -65,10 +69,12 @@ class SendingTransport(TransportCore):
 
     async def send(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[Item | FlushBucket] | AsyncIterable[Item | FlushBucket],
         *,
         align: AlignSpec = None,
     ) -> TransferStats:
+        """Sends ``named_tensors`` (a :data:`~verl_fastsync.chunks.FLUSH_BUCKET` among them closes the
+        open bucket: it goes out without waiting to fill)."""
         if self.rank is None or self.rank != SENDER_RANK:
             raise TransportError(
                 f"{self.name} transport: send() on rank {self.rank}; only trainer rank 0 sends "
@@ -125,6 +131,9 @@ class SendingTransport(TransportCore):
         self.inflight = InFlight(phase="pack", bucket=0)
         try:
             async for item in aiter_items(named_tensors):
+                if item is FLUSH_BUCKET:
+                    planner.flush()
+                    continue
                 name, tensor = unpack_item(item)
                 del item
                 self.inflight.tensor = name if isinstance(name, str) else None
@@ -170,3 +179,18 @@ async def aiter_items(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncGenerat
         for item in items:
             yield item
             del item
+
+
+async def flush_every(
+    items: AsyncIterable[Item], every: int, stands_for: Callable[[], int]
+) -> AsyncGenerator[Item | FlushBucket, None]:
+    """``items``, with a :data:`~verl_fastsync.chunks.FLUSH_BUCKET` after each ``every`` bytes of what
+    they stand for (``stands_for()``: the bytes so far, e.g. the model bytes a delta stream encoded:
+    its buckets then go out as often as a full sync's would, though they hold a fraction of that)."""
+    flushed = 0
+    async for item in items:
+        yield item
+        del item
+        if stands_for() - flushed >= every:
+            flushed = stands_for()
+            yield FLUSH_BUCKET

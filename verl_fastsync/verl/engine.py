@@ -92,6 +92,7 @@ from verl_fastsync.transports.base import (
     consumer_error,
 )
 from verl_fastsync.transports.lanes import LanesTransport, lanes_topology
+from verl_fastsync.transports.sending import SendingTransport, flush_every
 
 logger = logging.getLogger(__name__)
 
@@ -367,13 +368,22 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             raise TransportError("fastsync: send_weights before init_process_group (bucket size unknown)")
         align = (lambda _name, tensor: leading_slice_bytes(tensor)) if self.align_experts else None
         encoder = self.delta_encoder
+        flushed = None
         if encoder is not None and self._delta_plan is not None:
             encoder.begin(*self._delta_plan)
             if isinstance(self.transport, LanesTransport):
                 self.transport.encode_item = encoder.encode  # after the plan: each sender its share
+            elif isinstance(self.transport, SendingTransport):
+                # a bucket goes out after each bucket's worth of model bytes, as in a full sync: the
+                # receivers rebuild one part while this side encodes the next
+                delta = encoder.stats
+                flushed = flush_every(encoder.stream(weights), size, lambda: delta.model_bytes)
             else:
                 weights = encoder.stream(weights)
-        stats = await self.transport.send(weights, align=align)
+        if flushed is not None and isinstance(self.transport, SendingTransport):
+            stats = await self.transport.send(flushed, align=align)
+        else:
+            stats = await self.transport.send(weights, align=align)
         self.model_bytes = getattr(self.transport, "model_bytes", None) or stats.bytes
         self.last_metrics = stats.as_metrics()
         if encoder is not None and self._delta_plan is not None:
