@@ -11,8 +11,10 @@ sync is timed from ``send_weights`` starting to the rollout's consumer holding e
 its parameters, checked by xxh3 digest against the trainer's weights).
 
 Run ``python -m verl_fastsync.tools.delta_bench [--width 1024] [--layers 8] [--gbit 10,0]
-[--one-host shm]`` (``0``: unshaped; ``--one-host``: also both ranks in one namespace, rows
-``host shm``).
+[--one-host shm] [--pin]`` (``0``: unshaped; ``--one-host``: also both ranks in one namespace, rows
+``host shm``; ``--pin``: the trainer's process on CPU 0 and the rollout's on CPU 1, so that the two
+"hosts" do not share cores and one side's encode can overlap the other's rebuild as across real
+hosts).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from verl_fastsync.tools.netns_star import NamespaceStar
-from verl_fastsync.tools.netns_worker import NetnsWorker
+from verl_fastsync.tools.netns_worker import CPUS_ENV, NetnsWorker
 
 __all__ = ["DeltaBenchOptions", "format_delta", "run_delta"]
 
@@ -49,6 +52,9 @@ class DeltaBenchOptions:
     one_host: str | None = None
     """Also run both ranks in one namespace (one host) over this transport (``shm``): where delta
     has no link to save."""
+    pin: bool = False
+    """The trainer's process on CPU 0, the rollout's on CPU 1 (two hosts that do not share cores;
+    each side's codec then runs on one thread). Not for the one-host rows."""
 
 
 def _both(pairs: list[tuple[NetnsWorker, str, dict[str, Any]]], timeout_s: float) -> list[Any]:
@@ -76,6 +82,7 @@ def _sync(trainer: NetnsWorker, rollout: NetnsWorker, name: str, t: float) -> di
         "wire_bytes": metrics.get("fastsync/transfer/bytes", 0.0),
         "delta_sync": metrics.get("fastsync/transfer/delta_sync", 0.0),
         "encode_s": metrics.get("fastsync/transfer/delta_codec_s", 0.0),
+        "buckets": metrics.get("fastsync/transfer/buckets", 0.0),
         "decode_s": got["metrics"].get("fastsync/transfer/delta_codec_s", 0.0),
     }
 
@@ -84,10 +91,11 @@ def _link(gbit: float, opts: DeltaBenchOptions, one_host: bool = False) -> list[
     t = opts.timeout_s
     rows: list[dict[str, Any]] = []
     with NamespaceStar(1, gbit or None) as star:
-        trainer = star.spawn(star.hub if one_host else star.leaves[0])
-        rollout = star.spawn(star.hub)
+        pin = opts.pin and not one_host
+        trainer = star.spawn(star.hub if one_host else star.leaves[0], env={CPUS_ENV: "0"} if pin else None)
+        rollout = star.spawn(star.hub, env={CPUS_ENV: "1"} if pin else None)
         for name in opts.engines:
-            _both(
+            sides = _both(
                 [
                     (
                         w,
@@ -105,6 +113,7 @@ def _link(gbit: float, opts: DeltaBenchOptions, one_host: bool = False) -> list[
                 ],
                 t,
             )
+        cpus = {"trainer": sides[0]["cpus"], "rollout": sides[1]["cpus"]}
         info = trainer.call(
             f"{_PEER}:train_init", {"width": opts.width, "layers": opts.layers, "seed": opts.seed}, t
         )
@@ -122,6 +131,7 @@ def _link(gbit: float, opts: DeltaBenchOptions, one_host: bool = False) -> list[
                     "step": "re-init" if reinit else step,
                     "changed_fraction": change["changed_fraction"],
                     "model_bytes": info["bytes"],
+                    "cpus": cpus,
                 }
                 for name in opts.engines:
                     row[name] = _sync(trainer, rollout, name, t)
@@ -132,6 +142,11 @@ def _link(gbit: float, opts: DeltaBenchOptions, one_host: bool = False) -> list[
 
 
 def run_delta(opts: DeltaBenchOptions) -> dict[str, Any]:
+    if opts.pin and not {0, 1} <= os.sched_getaffinity(0):
+        raise ValueError(
+            f"--pin runs the trainer on CPU 0 and the rollout on CPU 1; this process may use CPUs "
+            f"{sorted(os.sched_getaffinity(0))}"
+        )
     rows = [row for gbit in opts.gbits for row in _link(gbit, opts)]
     if opts.one_host:
         rows += _link(0.0, dataclasses.replace(opts, transport=opts.one_host), one_host=True)
@@ -146,6 +161,7 @@ def format_delta(result: dict[str, Any]) -> str:
         f"# {opts['transport']}, {size:.0f} MiB of bf16 weights, {opts['bucket_mib']} MiB buckets; "
         "full = delta=false, delta = delta=true, same weights, same run; encode s / rebuild s: the "
         "delta sync's seconds in the sender's encode and the receiver's rebuild"
+        + ("; trainer on CPU 0, rollout on CPU 1" if opts.get("pin") else "")
     ]
     lines.append(
         f"{'link':>9} {'lr':>6} {'step':>7} {'changed':>8} {'full MiB':>8} {'delta MiB':>9} {'bytes x':>7} "
@@ -179,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--one-host", default=None, help="also both ranks in one namespace over this transport (shm)"
     )
+    parser.add_argument(
+        "--pin", action="store_true", help="trainer on CPU 0, rollout on CPU 1 (hosts that share no core)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     opts = DeltaBenchOptions(
@@ -190,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         transport=args.transport,
         bucket_mib=args.bucket_mib,
         one_host=args.one_host,
+        pin=args.pin,
     )
     t0 = time.monotonic()
     result = run_delta(opts)

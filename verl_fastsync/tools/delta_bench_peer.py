@@ -7,6 +7,7 @@ two are measured on the same weights in the same run."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -85,7 +86,11 @@ def _publish() -> None:
     _STATE["bytes"] = sum(t.numel() * t.element_size() for _, t in weights)
 
 
-def eng_new(name: str, transport: str, delta: bool, trainer: bool, bucket: int, timeout_s: float) -> None:
+def eng_new(
+    name: str, transport: str, delta: bool, trainer: bool, bucket: int, timeout_s: float
+) -> dict[str, Any]:
+    """Makes the engine; returns the CPUs this process runs on and the delta codec's thread count."""
+    from verl_fastsync.delta.compare import THREADS
     from verl_fastsync.verl.engine import FastsyncCheckpointEngine
 
     kwargs: dict[str, Any] = {"transport": transport, "delta": delta, "timeout_s": timeout_s}
@@ -93,6 +98,7 @@ def eng_new(name: str, transport: str, delta: bool, trainer: bool, bucket: int, 
         kwargs["is_master"] = True
     engines = _STATE.setdefault("engines", {})
     engines[name] = FastsyncCheckpointEngine(bucket_size=bucket, **kwargs)
+    return {"cpus": sorted(os.sched_getaffinity(0)), "codec_threads": THREADS}
 
 
 def eng_prepare(name: str) -> dict[str, Any]:

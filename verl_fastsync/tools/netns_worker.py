@@ -35,7 +35,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from verl_fastsync.tools.netns import Endpoint
 
-__all__ = ["NetnsWorker", "WorkerError", "worker_main"]
+__all__ = ["CPUS_ENV", "NetnsWorker", "WorkerError", "worker_main"]
+
+CPUS_ENV = "FASTSYNC_NETNS_CPUS"
+"""Environment variable of a worker (``env`` of :meth:`NamespaceStar.spawn`): the CPUs it runs on,
+comma-separated, set before it runs anything (one CPU per side: two hosts that do not share cores)."""
 
 
 class WorkerError(RuntimeError):
@@ -208,6 +212,9 @@ def worker_main(hostname: str) -> int:
     sys.stdout = sys.stderr
     _exit_with_driver()
     _become_host(hostname)
+    cpus = os.environ.get(CPUS_ENV)
+    if cpus:  # before anything sizes itself by the CPUs it may use (e.g. the delta codec's threads)
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     netns = os.environ.get("NETNS_NAME", "")
     proto.write(
         json.dumps({"type": "ready", "pid": os.getpid(), "netns": netns, "hostname": hostname}) + "\n"
