@@ -327,6 +327,42 @@ def test_nccl_importable_without_gpu_and_fails_clearly() -> None:
         factory.build_topology(1, 1, [{"bucket_size": 1}, {"bucket_size": 1}])
 
 
+def test_nccl_communicator_takes_the_unique_id_in_the_form_this_cupy_wants() -> None:
+    """cupy 14 takes the unique id as bytes, earlier cupy as a tuple of signed chars; each refuses the
+    other with a TypeError before NCCL is called. Stand-ins for cupy's ``nccl`` module (no GPU here)
+    with the two signatures; the GPU check (benchmarks/gpu_nccl_check.py) ran the real one."""
+    from verl_fastsync.transports.nccl import new_communicator
+
+    uid = bytes(range(120, 248))  # bytes past 127 become negative chars in the tuple form
+    made: list[tuple[int, object, int]] = []
+
+    class Cupy:
+        """A ``nccl`` module whose ``NcclCommunicator`` takes the unique id as ``takes`` only."""
+
+        def __init__(self, takes: type, made_as: str) -> None:
+            self.takes, self.made_as = takes, made_as
+
+        def NcclCommunicator(self, ndev: int, comm_id: object, rank: int) -> str:
+            if not isinstance(comm_id, self.takes):
+                raise TypeError(
+                    f"Argument 'commId' has incorrect type (expected {self.takes.__name__}, "
+                    f"got {type(comm_id).__name__})"
+                )
+            made.append((ndev, comm_id, rank))
+            return self.made_as
+
+    Cupy14, Cupy13 = (lambda: Cupy(bytes, "comm14")), (lambda: Cupy(tuple, "comm13"))
+    assert new_communicator(Cupy14(), 3, uid, 1) == "comm14"
+    assert made.pop() == (3, uid, 1)
+    assert new_communicator(Cupy13(), 3, uid, 2) == "comm13"
+    ndev, comm_id, rank = made.pop()
+    assert (ndev, rank) == (3, 2) and isinstance(comm_id, tuple) and len(comm_id) == 128
+    assert (
+        comm_id[:8] == (120, 121, 122, 123, 124, 125, 126, 127) and comm_id[8] == -128 and comm_id[-1] == -9
+    )
+    assert bytes(b & 0xFF for b in comm_id) == uid
+
+
 POSTED_FLAG = """
 import pathlib
 t = worker.engine

@@ -27,7 +27,18 @@ from verl_fastsync.transports.base import TransportError
 from verl_fastsync.transports.tcp import TcpControlledTransport
 from verl_fastsync.wire import BucketReady, SyncEnd, Welcome
 
-__all__ = ["NcclTransport"]
+__all__ = ["NcclTransport", "new_communicator"]
+
+
+def new_communicator(nccl: Any, world_size: int, uid: bytes, rank: int) -> Any:
+    """``nccl.NcclCommunicator`` (cupy's) for the 128-byte unique id ``uid``, in the form this cupy
+    takes: cupy 14 takes ``bytes``, earlier releases a tuple of signed chars; either refuses the other
+    with a ``TypeError`` before NCCL is called (seen on an H200 with cupy 14.2: "Argument 'commId'
+    has incorrect type (expected bytes, got tuple)")."""
+    try:
+        return nccl.NcclCommunicator(world_size, uid, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(world_size, tuple(b if b < 128 else b - 256 for b in uid), rank)
 
 
 class NcclTransport(TcpControlledTransport):
@@ -92,9 +103,8 @@ class NcclTransport(TcpControlledTransport):
 
         assert self._uid is not None and self._device is not None
         self.inflight.phase = "nccl-init"
-        uid = tuple(b if b < 128 else b - 256 for b in self._uid)  # cupy wants signed chars
         with cupy.cuda.Device(self._device.index or 0):
-            self._comm = nccl.NcclCommunicator(self.world_size, uid, int(self.rank or 0))
+            self._comm = new_communicator(nccl, self.world_size, self._uid, int(self.rank or 0))
         self._bufs = [torch.empty(self.bucket_size, dtype=torch.uint8, device=self._device) for _ in range(2)]
 
     def _release_buffers(self) -> None:
