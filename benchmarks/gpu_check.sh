@@ -6,6 +6,9 @@
 #   benchmarks/gpu_check.sh <outdir>
 #
 #   <outdir>/env.json            python/torch/GPU facts
+#   <outdir>/delta_gpu.json      delta sync's sender and receiver with the weights on the GPU: copy,
+#                                encode and rebuild seconds, bytes, every tensor checked
+#                                (benchmarks/gpu_delta_check.py)
 #   <outdir>/cleanup.json        cleanup A/B on the real CUDA caching allocator (3M-object heap):
 #                                light vs adaptive vs aggressive (= verl 0.9.0), bytes freed, seconds,
 #                                GC objects (benchmarks/gpu_cleanup_check.py)
@@ -16,9 +19,10 @@
 #   <outdir>/*.log               each step's output
 #
 # Knobs (for a dry run on a CPU host): PYTHON (default python3), GPU_CHECK_QUICK=1 (tiny heap and
-# models), GPU_CHECK_SKIP_INSTALL=1 (use the environment as it is).
+# models), GPU_CHECK_SKIP_INSTALL=1 (use the environment as it is), GPU_CHECK_BUDGET (seconds the
+# whole script may take, default 460: the bench gets what the steps before it left).
 #
-# Install: this package with --no-deps from the working tree; pluggy/msgspec/pyzmq only when they
+# Install: this package with --no-deps from the working tree; pluggy/msgspec/pyzmq/xxhash only when they
 # are missing, from wheels shipped in benchmarks/wheels/ (no index is contacted). When pip cannot
 # install the package (no setuptools for the build), the working tree is used via PYTHONPATH.
 set -uo pipefail
@@ -55,7 +59,7 @@ install() {
     local pip=("$PY" -m pip install --no-index --disable-pip-version-check)
     local have_wheels=0
     [ -d "$HERE/wheels" ] && have_wheels=1
-    for pair in pluggy:pluggy msgspec:msgspec zmq:pyzmq; do
+    for pair in pluggy:pluggy msgspec:msgspec zmq:pyzmq xxhash:xxhash; do
         local mod=${pair%%:*} pkg=${pair##*:}
         if ! "$PY" -c "import $mod" 2>/dev/null; then
             if [ $have_wheels = 1 ]; then
@@ -68,7 +72,7 @@ install() {
     if ! "${pip[@]}" --no-deps --no-build-isolation "$ROOT"; then
         echo "pip install of the working tree failed; using PYTHONPATH=$ROOT" >&2
     fi
-    "$PY" -c "import verl_fastsync, pluggy, msgspec, zmq; print('verl_fastsync', verl_fastsync.__version__)"
+    "$PY" -c "import verl_fastsync, pluggy, msgspec, zmq, xxhash; print('verl_fastsync', verl_fastsync.__version__)"
 }
 
 # the working tree first, whether or not pip installed it
@@ -77,10 +81,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 HEAP=3000000
 SIZE=1
 BUCKETS=64,256,1024
+DELTA_GIB=1
+BUDGET=${GPU_CHECK_BUDGET:-460}
 if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
     HEAP=30000
     SIZE=0.01
     BUCKETS=1,4
+    DELTA_GIB=0.02
 fi
 
 # (a shell function cannot run under `timeout`: pip --no-index contacts nothing and is quick)
@@ -118,6 +125,9 @@ json.dump(info, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(info, indent=2))
 EOF
 
+# 0. delta sync's two sides with the trainer's weights on the GPU (~1 min: 1 GiB of bf16, 2 lrs x 4 syncs)
+step delta_gpu 150 "$PY" "$HERE/gpu_delta_check.py" --out "$OUT/delta_gpu.json" --gib "$DELTA_GIB" --steps 3
+
 # 1. cleanup A/B on the real CUDA caching allocator (~1 min: 3M-object heap, 3 repeats)
 step cleanup 150 "$PY" "$HERE/gpu_cleanup_check.py" --out "$OUT/cleanup.json" \
     --heap-objects "$HEAP" --repeats 3 --cached-mib 4096 --cycle-mib 1024
@@ -129,7 +139,7 @@ fi
 
 # 3. bench: colocated ipc + shm, engine transports (nccl/nixl/gloo/shm as one GPU allows),
 #    1 GiB models, buckets 64 MiB..1 GiB; no cleanup section here (step 1 covers it)
-left=$((460 - ($(date +%s) - START)))
+left=$((BUDGET - ($(date +%s) - START)))
 [ $left -lt 60 ] && left=60
 step bench "$left" "$PY" -m verl_fastsync.tools.cli bench --quiet \
     --sections transfer,scale --transports ipc,nccl,nixl,gloo,shm \

@@ -431,17 +431,39 @@ def test_gpu_check_script_is_valid_bash() -> None:
     assert usage.returncode == 2 and "usage:" in usage.stderr
 
 
+def _run_benchmark(script: str, tmp_path: Path, *args: str) -> Any:
+    """Runs ``benchmarks/<script> --out <json> *args`` (it must succeed) and returns its JSON."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out), *args],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(180)
+def test_gpu_delta_check_runs_without_cuda(tmp_path: Path) -> None:
+    """The delta part of the GPU check runs on a CPU host too (its dry run): a full sync, then a delta
+    sync of real AdamW steps, every rebuilt tensor checked by the script (it raises on a mismatch)."""
+    doc = _run_benchmark(
+        "gpu_delta_check.py", tmp_path, "--gib", "0.005", "--width", "128", "--steps", "1", "--lrs", "1e-6"
+    )
+    first, second = doc["rows"]
+    for threads in {doc["codec_threads"], 1}:
+        assert not first[f"threads_{threads}"]["delta_sync"] and second[f"threads_{threads}"]["delta_sync"]
+        delta = second[f"threads_{threads}"]
+        assert 0.0 < delta["changed_fraction"] < 0.2 and delta["wire_bytes"] < 0.5 * delta["model_bytes"]
+    assert second["codec_host_s"] > 0.0 and second["at_10gbit"]["full_link_s"] > 0.0
+
+
 @pytest.mark.timeout(120)
 def test_gpu_cleanup_check_runs_without_cuda(tmp_path: Path) -> None:
     """The Python part of the GPU check imports and runs on a host without CUDA (device cpu)."""
-    out = tmp_path / "cleanup.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_cleanup_check.py"), "--out", str(out),
-         "--heap-objects", "3000", "--repeats", "1", "--cached-mib", "64", "--cycle-mib", "2"],
-        capture_output=True, text=True, timeout=100,
+    doc = _run_benchmark(
+        "gpu_cleanup_check.py", tmp_path, "--heap-objects", "3000", "--repeats", "1", "--cached-mib", "64",
+        "--cycle-mib", "2",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads(out.read_text())
     rows = {(r["boundary"], r["policy"], r["cycle_mib"]) for r in doc["rows"]}
     assert ("pre_resume_cleanup", "aggressive", 2) in rows and ("post_transfer_cleanup", "light", 0) in rows
     assert all(r["gc_ran"] == (r["policy"] == "aggressive") for r in doc["rows"] if doc["device"] == "cpu")

@@ -1,0 +1,155 @@
+"""GPU check of delta sync's two sides (``engine_kwargs.fastsync.delta``) with the trainer's weights in
+device memory, as verl's FSDP trainer yields them; no verl, no transport (the codec's cost only).
+
+A stack of MLP blocks (LayerNorm, ``width`` -> 4 x ``width`` -> ``width``, as ``delta_bench``) trains on
+the GPU with AdamW (fp32 master weights, a random regression batch per step); after every step the
+weights are cast to ``bfloat16`` on the device and synced through a :class:`DeltaEncoder` (the sending
+rank: device-to-host copy, compare with its host base, encode) into a :class:`DeltaDecoder` (a rollout
+rank: rebuild from its base, digest check). Per step it reports the fraction of values changed, the
+bytes a delta moves, the seconds of the device-to-host copy alone, of the encode (copy included) and
+of the rebuild, with the codec's threads (``min(8, cores)``) and with one thread, and of the codec alone
+on host copies of the same bytes (``codec_host_s``: no device copy); every rebuilt tensor
+is checked byte for byte against the trainer's. From those seconds it derives what bounds a sync on a
+10 Gbit/s link (a derivation, not a measured sync: this machine has one GPU and no second host).
+
+Run: ``python benchmarks/gpu_delta_check.py --out delta_gpu.json [--gib 1] [--steps 3]``; without
+CUDA it runs on the CPU (a dry run of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import xxhash
+
+from verl_fastsync.delta import compare
+from verl_fastsync.delta.codec import encode
+from verl_fastsync.delta.stream import DeltaDecoder, DeltaEncoder
+
+LINK_BYTES_S = 10e9 / 8  # 10 Gbit/s
+
+
+def _sync(encoder: DeltaEncoder, decoder: DeltaDecoder, weights: list[tuple[str, torch.Tensor]], epoch: str,
+          device: torch.device) -> dict[str, Any]:  # fmt: skip
+    against = encoder.epoch if encoder.epoch == decoder.epoch else None
+    encoder.begin(against, epoch)
+    decoder.begin(against, epoch)
+    start = time.perf_counter()
+    wire = [encoder.encode(name, tensor) for name, tensor in weights]
+    encode_s = time.perf_counter() - start
+    start = time.perf_counter()
+    got = [decoder.decode(name, tensor) for name, tensor in wire]
+    rebuild_s = time.perf_counter() - start
+    encoder.commit()
+    decoder.commit()
+    host = [t.to("cpu") for _, t in weights]
+    for (name, tensor), want in zip(got, host, strict=True):
+        a = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+        b = want.contiguous().view(-1).view(torch.uint8).numpy()
+        if xxhash.xxh3_64_intdigest(a.data) != xxhash.xxh3_64_intdigest(b.data) or not (a == b).all():
+            raise AssertionError(f"{name}: the rebuilt tensor differs from the trainer's")
+    stats = encoder.stats
+    return {
+        "delta_sync": stats.delta_sync,
+        "model_bytes": stats.model_bytes,
+        "wire_bytes": stats.wire_bytes,
+        "changed_fraction": stats.changed_elements / stats.compared_elements
+        if stats.compared_elements
+        else None,
+        "raw_tensors": stats.raw_tensors,
+        "encode_s": encode_s,
+        "rebuild_s": rebuild_s,
+    }
+
+
+def _bf16_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What verl's FSDP trainer yields: each parameter cast to bfloat16 on its device."""
+    return [(name, p.detach().to(torch.bfloat16)) for name, p in model.named_parameters()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--gib", type=float, default=1.0, help="bf16 bytes of the model")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers = max(1, round(args.gib * 2**30 / (2 * 8 * args.width * args.width)))  # blocks
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "cpus": len(os.sched_getaffinity(0)),
+        "codec_threads": compare.THREADS,
+        "layers": layers,
+        "width": args.width,
+        "rows": [],
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
+    for lr in args.lrs:
+        torch.manual_seed(0)
+        blocks: list[torch.nn.Module] = []
+        for _ in range(layers):
+            blocks += [
+                torch.nn.LayerNorm(args.width),
+                torch.nn.Linear(args.width, 4 * args.width),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * args.width, args.width),
+            ]
+        model = torch.nn.Sequential(*blocks).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        sides = {threads: (DeltaEncoder(), DeltaDecoder()) for threads in (compare.THREADS, 1)}
+        previous: list[torch.Tensor] | None = None
+
+        for step in range(args.steps + 1):
+            if step:
+                batch = torch.randn(16, args.width, device=device)
+                loss = torch.nn.functional.mse_loss(model(batch), torch.randn_like(batch))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            named = _bf16_weights(model)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _, tensor in named:
+                tensor.to("cpu")
+            d2h_s = time.perf_counter() - start
+            row: dict[str, Any] = {"lr": lr, "step": step, "d2h_s": d2h_s}
+            host = [tensor.to("cpu") for _, tensor in named]
+            if previous is not None:  # the codec alone on host bytes (no device copy), the pool's threads
+                start = time.perf_counter()
+                for old, new in zip(previous, host, strict=True):
+                    encode(
+                        old.view(-1).view(torch.uint8), new.view(-1).view(torch.uint8), 2, update_base=True
+                    )
+                row["codec_host_s"] = time.perf_counter() - start
+            previous = host
+            for threads, (encoder, decoder) in sides.items():  # the pool's threads first (it is made once)
+                compare.THREADS = threads  # type: ignore[misc]
+                row[f"threads_{threads}"] = _sync(encoder, decoder, named, f"e{lr}-{step}", device)
+            compare.THREADS = result["codec_threads"]  # type: ignore[misc]
+            best = row[f"threads_{result['codec_threads']}"]
+            if best["delta_sync"]:
+                full_link = best["model_bytes"] / LINK_BYTES_S
+                bound = max(best["encode_s"], best["rebuild_s"], best["wire_bytes"] / LINK_BYTES_S)
+                row["at_10gbit"] = {
+                    "full_link_s": full_link,
+                    "delta_bound_s": bound,
+                    "ratio": full_link / bound,
+                }
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            with open(args.out, "w") as out:
+                json.dump(result, out, indent=1)
+        del model, optimizer, sides, previous
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
