@@ -362,3 +362,45 @@ def test_a_delta_stream_flushes_a_bucket_per_bucket_of_model_bytes() -> None:
         for item in items
         if item is not FLUSH_BUCKET
     )
+
+
+def test_tensors_to_copy_go_through_one_reused_staging_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-contiguous tensors (as device tensors would be) are copied into the sender's one staging
+    buffer, reused from tensor to tensor and sync to sync, as large as the largest one staged; a
+    producer that rewrites its tensors after each yield and a consumer that holds everything still see
+    exact bytes; a tensor over STAGING_MAX is copied into fresh memory and the buffer does not grow."""
+    from verl_fastsync.delta import stream
+
+    monkeypatch.setattr(stream, "STAGING_MAX", 64 * 1024)
+    gen = torch.Generator().manual_seed(53)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    sizes = [(40, 30), (128, 100), (16, 8), (300, 120)]  # the last one: 72,000 bytes of fp16 > STAGING_MAX
+    master = [torch.randn(rows, cols, generator=gen) for rows, cols in sizes]
+    held = []
+    staging_ptrs = set()
+    for step in range(4):
+        if step:
+            for weight in master:
+                pick = torch.rand(weight.shape, generator=gen) < 0.03
+                weight[pick] += 0.5
+        model = [
+            (f"w{i}", weight.to(torch.float16).t()) for i, weight in enumerate(master)
+        ]  # transposed views
+        want = [_digest(name, tensor) for name, tensor in model]
+        against = encoder.epoch if encoder.epoch == decoder.epoch else None
+        encoder.begin(against, f"s{step}")
+        decoder.begin(against, f"s{step}")
+        got = []
+        for name, tensor in model:
+            got.append(decoder.decode(*encoder.encode(name, tensor)))  # (a transport copies a raw one here)
+            tensor.fill_(-1.0)  # the producer reuses its memory as soon as the tensor was taken
+            staging_ptrs.add(encoder._staging.buffer.data_ptr())
+        encoder.commit()
+        decoder.commit()
+        assert [_digest(n, t) for n, t in got] == want, f"step {step}"
+        assert encoder.stats.delta_sync == (step > 0)
+        held.append((got, [_digest(n, t) for n, t in got]))  # the consumer holds every sync's tensors
+    assert all([_digest(n, t) for n, t in got] == digests for got, digests in held)
+    largest_staged = max(r * c * 2 for r, c in sizes if r * c * 2 <= 64 * 1024)
+    assert encoder._staging.buffer.numel() == largest_staged
+    assert len(staging_ptrs) <= 2  # grown once (40x30 first, then 128x100), then reused

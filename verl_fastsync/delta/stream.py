@@ -65,6 +65,7 @@ from verl_fastsync.io.lending import lend
 
 __all__ = [
     "DELTA_PREFIX",
+    "STAGING_MAX",
     "UNDO_FRACTION",
     "DeltaDecoder",
     "DeltaEncoder",
@@ -133,6 +134,39 @@ def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if data.numel() == 0:
         return torch.empty(0, dtype=torch.uint8), True
     return (data if data.dtype == torch.uint8 else data.view(torch.uint8)), copied
+
+
+STAGING_MAX: Final = 512 << 20
+"""Bytes of the sender's staging buffer at most (a larger tensor is copied into fresh memory)."""
+
+
+class _Staging:
+    """The sender's one reusable host buffer for a tensor that must be copied before it is compared (a
+    device tensor, a non-contiguous one). A fresh host tensor per tensor pays its page faults every
+    sync: on an H200 host a GiB of bf16 took 0.60 s into fresh pageable memory, 0.064 s into a reused
+    pageable buffer and 0.020 s into a reused pinned one. Pinned when CUDA is available; as large as
+    the largest tensor staged so far, at most :data:`STAGING_MAX`; what it holds is valid until the next
+    tensor is staged (nothing keeps it: a base keeps a copy)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def host_bytes(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """As :func:`_host_bytes`, but a copy goes into the staging buffer when it fits (then the
+        second value is False: the bytes are not this caller's to keep)."""
+        data = tensor.detach()
+        nbytes = data.numel() * data.element_size()
+        if (data.device.type == "cpu" and data.is_contiguous()) or not 0 < nbytes <= STAGING_MAX:
+            return _host_bytes(data)
+        buffer = self.buffer
+        if buffer is None or buffer.numel() < nbytes:
+            self.buffer = None  # (the old one goes before the new one is made)
+            buffer = self.buffer = torch.empty(
+                nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )
+        staged = buffer[:nbytes]
+        staged.view(data.dtype).reshape(data.shape).copy_(data)  # (synchronous from a device)
+        return staged, False
 
 
 def _width(tensor: torch.Tensor) -> int:
@@ -294,6 +328,7 @@ class DeltaEncoder(_Side):
     def __init__(self, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
         super().__init__()
         self.max_ratio = max_ratio
+        self._staging = _Staging()
 
     def encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """What to send for ``name`` (see the module docstring); the base holds ``tensor``'s bytes after."""
@@ -304,7 +339,7 @@ class DeltaEncoder(_Side):
         if name.startswith(DELTA_PREFIX):
             raise DeltaSyncError(f"{self.who}: tensor name {name!r} starts with reserved {DELTA_PREFIX!r}")
         self._take(name)
-        new, copied = _host_bytes(tensor)
+        new, copied = self._staging.host_bytes(tensor)
         shape = tuple(tensor.shape)
         stats = self.stats
         stats.model_bytes += new.numel()
