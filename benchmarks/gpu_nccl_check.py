@@ -48,10 +48,11 @@ def _model(mib: int, bucket: int, step: int) -> list[tuple[str, Any]]:
 
 
 def _digest(tensor: Any) -> int:
+    import torch
     import xxhash
 
     host = tensor.detach().to("cpu").contiguous().view(-1)
-    return xxhash.xxh3_64_intdigest(host.view(__import__("torch").uint8).numpy().data)
+    return xxhash.xxh3_64_intdigest(host.view(torch.uint8).numpy().data)
 
 
 def _rank(rank: int, conn: Connection, mib: int, bucket: int) -> None:

@@ -351,10 +351,9 @@ def test_nccl_communicator_takes_the_unique_id_in_the_form_this_cupy_wants() -> 
             made.append((ndev, comm_id, rank))
             return self.made_as
 
-    Cupy14, Cupy13 = (lambda: Cupy(bytes, "comm14")), (lambda: Cupy(tuple, "comm13"))
-    assert new_communicator(Cupy14(), 3, uid, 1) == "comm14"
+    assert new_communicator(Cupy(bytes, "comm14"), 3, uid, 1) == "comm14"
     assert made.pop() == (3, uid, 1)
-    assert new_communicator(Cupy13(), 3, uid, 2) == "comm13"
+    assert new_communicator(Cupy(tuple, "comm13"), 3, uid, 2) == "comm13"
     ndev, comm_id, rank = made.pop()
     assert (ndev, rank) == (3, 2) and isinstance(comm_id, tuple) and len(comm_id) == 128
     assert (

@@ -28,11 +28,12 @@ base when the sync ends (a tensor removed from the model).
 
 **Memory.** The base is the model's bytes in host memory on the sending rank (its share, with several
 senders) and on every receiving rank, plus the undo journal during a delta sync (at most
-:data:`UNDO_FRACTION` of it). A receiver lends the consumer a view of the base it rebuilt; a
-base the consumer still holds is never written again (the next sync rebuilds that tensor into new
-memory and drops the old one), a base it let go of is rebuilt in place. So the consumer may hold what
-it was given for as long as it likes. A consumer that writes into a yielded tensor changes the base;
-the next delta sync then fails its digest check (naming the tensor) and the sync after it is full.
+:data:`UNDO_FRACTION` of it) and, on the sender, one staging buffer (:class:`_Staging`). A
+receiver lends the consumer a view of the base it rebuilt; a base the consumer still holds is never
+written again (the next sync rebuilds that tensor into new memory and drops the old one), a base it
+let go of is rebuilt in place. So the consumer may hold what it was given for as long as it likes. A
+consumer that writes into a yielded tensor changes the base; the next delta sync then fails its
+digest check (naming the tensor) and the sync after it is full.
 
 Imports torch, numpy and the other ``verl_fastsync.delta`` modules only (no verl, no transport).
 """
