@@ -124,6 +124,11 @@ class Run:
     """/dev/shm names created while the run lived (by anyone on the host)."""
     mapped_by: dict[str, set[str]]
     """/dev/shm name -> names (``comm``) of the run's processes seen mapping it."""
+    mappers: dict[str, set[int]]
+    """/dev/shm name -> pids of the run's processes seen mapping it."""
+    names_of: dict[int, list[str]]
+    """pid -> every name (``comm``) the process was seen under, in order (processes rename themselves:
+    vLLM's to ``VLLM::...``, Ray's to ``ray::...``)."""
     run_pids: set[int]
     left_processes: dict[int, str]
     left_segments: dict[str, set[str]]
@@ -134,6 +139,10 @@ class Run:
 
     def ours(self, name: str) -> bool:
         return name in self.mapped_by or _owner(name) in self.run_pids
+
+    def mapper_names(self, name: str) -> dict[int, list[str]]:
+        """pid -> every name it was seen under, for each process seen mapping segment ``name``."""
+        return {pid: self.names_of.get(pid, []) for pid in sorted(self.mappers.get(name, ()))}
 
     def metric(self, key: str) -> list[float | None]:
         return [step["data"].get(key) for step in self.steps]
@@ -151,6 +160,8 @@ def run_main_ppo(mode: str, workdir: Path, steps: int, timeout_s: float) -> Run:
     before = set(os.listdir(SHM))
     watch = _ShmCreations()
     mapped_by: dict[str, set[str]] = {}
+    mappers: dict[str, set[int]] = {}
+    names_of: dict[int, list[str]] = {}
     run_pids: set[int] = set()
     start = time.monotonic()
     with open(log, "wb") as out:
@@ -164,8 +175,12 @@ def run_main_ppo(mode: str, workdir: Path, steps: int, timeout_s: float) -> Run:
             watch.drain()
             for pid, comm in _session_pids(sid).items():
                 run_pids.add(pid)
+                seen = names_of.setdefault(pid, [])
+                if not seen or seen[-1] != comm:
+                    seen.append(comm)
                 for name in _mapped(pid):
                     mapped_by.setdefault(name, set()).add(comm)
+                    mappers.setdefault(name, set()).add(pid)
             if time.monotonic() - start > timeout_s:
                 timed_out = True
                 break
@@ -198,6 +213,8 @@ def run_main_ppo(mode: str, workdir: Path, steps: int, timeout_s: float) -> Run:
         steps=[json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else [],
         created=watch.names,
         mapped_by=mapped_by,
+        mappers=mappers,
+        names_of=names_of,
         run_pids=run_pids,
         left_processes=left,
         left_segments={},
@@ -206,11 +223,13 @@ def run_main_ppo(mode: str, workdir: Path, steps: int, timeout_s: float) -> Run:
     return run
 
 
-def is_vllm_message_queue(comms: set[str]) -> bool:
-    """A segment only vLLM's own processes mapped: its shared-memory message queues (``psm_*``, 160 and
-    240 MiB), unlinked in a destructor that never runs when Ray kills the engine at the end of
-    ``main_ppo``. Stock verl leaves the same two per vLLM engine."""
-    return bool(comms) and all(c.startswith(VLLM_PROCESS) for c in comms)
+def is_vllm_message_queue(mappers: dict[int, list[str]]) -> bool:
+    """A segment only vLLM's own processes mapped (``mappers``: pid -> the names it was seen under, as
+    :meth:`Run.mapper_names` gives them): its shared-memory message queues (``psm_*``, 160 and 240 MiB),
+    unlinked in a destructor that never runs when Ray kills the engine at the end of ``main_ppo``.
+    Stock verl leaves the same two per vLLM engine. A process is judged by its last name: vLLM's start
+    as ``python`` and rename themselves, and a sample can read the old name and the new mapping."""
+    return bool(mappers) and all(names and names[-1].startswith(VLLM_PROCESS) for names in mappers.values())
 
 
 def remove(names: list[str]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from _main_ppo_harness import example
+from _main_ppo_harness import example, is_vllm_message_queue
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
@@ -43,3 +43,14 @@ def test_the_readme_lists_every_mode_and_stock_switches_nothing_on() -> None:
     line = next(x for x in README.splitlines() if x.startswith("# CPU: "))
     assert line.split("# CPU: ")[1].split(" (")[0].split(" | ") == list(run_cpu.MODES)
     assert run_cpu.MODES["stock"] == ([], [])
+
+
+def test_a_segment_is_vllms_when_every_process_that_mapped_it_ended_up_named_as_vllms() -> None:
+    """The e2e runs remove vLLM's leaked message queues and fail on any other leak: a vLLM process seen
+    under its start-up name ``python`` still counts as vLLM's (CI once failed on that sample race); a
+    process that stayed ``python`` (a driver, a trainer worker) makes the segment someone else's."""
+    renamed = {101: ["python", "VLLM::EngineCor"], 102: ["python", "VLLM::Worker"]}
+    assert is_vllm_message_queue(renamed)
+    assert not is_vllm_message_queue({**renamed, 103: ["python"]})
+    assert not is_vllm_message_queue({101: ["VLLM::EngineCor", "python"]})
+    assert not is_vllm_message_queue({})

@@ -89,6 +89,7 @@ def _record(run: Run, leaked_vllm: list[str]) -> None:
         "update_weights_s": run.metric("timing_s/update_weights"),
         "fastsync_keys": sorted({k for keys in run.fastsync_keys() for k in keys}),
         "vllm_segments_removed": len(leaked_vllm),
+        "left_segment_mappers": {n: run.mapper_names(n) for n in run.left_segments},
         "log": str(run.log),
     }
     with open(out, "a") as f:
@@ -98,7 +99,7 @@ def _record(run: Run, leaked_vllm: list[str]) -> None:
 
 def _run(mode: str, workdir: Path) -> Run:
     run = run_main_ppo(mode, workdir, STEPS, RUN_TIMEOUT_S)
-    leaked_vllm = [n for n, comms in run.left_segments.items() if is_vllm_message_queue(comms)]
+    leaked_vllm = [n for n in run.left_segments if is_vllm_message_queue(run.mapper_names(n))]
     remove(leaked_vllm)
     _record(run, leaked_vllm)
     where = f"main_ppo {mode} (log {run.log})"
@@ -108,7 +109,10 @@ def _run(mode: str, workdir: Path) -> Run:
     assert not run.left_processes, f"{where} left processes behind: {run.left_processes}"
     others = {n: c for n, c in run.left_segments.items() if n not in leaked_vllm}
     remove(list(others))
-    assert not others, f"{where} left /dev/shm segments (name -> processes that mapped it): {others}"
+    assert not others, (
+        f"{where} left /dev/shm segments (name -> pid -> the names each process that mapped it had): "
+        f"{ {n: run.mapper_names(n) for n in others} }"
+    )
     return run
 
 
