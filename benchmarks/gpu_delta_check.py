@@ -3,14 +3,17 @@ device memory, as verl's FSDP trainer yields them; no verl, no transport (the co
 
 A stack of MLP blocks (LayerNorm, ``width`` -> 4 x ``width`` -> ``width``, as ``delta_bench``) trains on
 the GPU with AdamW (fp32 master weights, a random regression batch per step); after every step the
-weights are cast to ``bfloat16`` on the device and synced through a :class:`DeltaEncoder` (the sending
-rank: device-to-host copy, compare with its host base, encode) into a :class:`DeltaDecoder` (a rollout
-rank: rebuild from its base, digest check). Per step it reports the fraction of values changed, the
-bytes a delta moves, the seconds of the device-to-host copy alone, of the encode (copy included) and
-of the rebuild, with the codec's threads (``min(8, cores)``) and with one thread, and of the codec alone
-on host copies of the same bytes (``codec_host_s``: no device copy); every rebuilt tensor
-is checked byte for byte against the trainer's. From those seconds it derives what bounds a sync on a
-10 Gbit/s link (a derivation, not a measured sync: this machine has one GPU and no second host).
+weights are cast to ``bfloat16`` on the device and synced through two :class:`DeltaEncoder` s (sending
+ranks), each into its own :class:`DeltaDecoder` (a rollout rank: rebuild from its base, digest check):
+``device_compare`` compares on the GPU (the default for device tensors: the base chunk goes to the
+device, only the changed elements come back; on a CPU dry run the same code runs on the CPU),
+``host_compare`` copies the tensor to the host and compares there on the codec's threads. Per step it
+reports the fraction of values changed, the bytes a delta moves, the seconds of the device-to-host
+copy alone, of each encode (copies included) and rebuild, and of the host codec alone on host copies
+of the same bytes (``codec_host_s``: no device copy). Every rebuilt tensor is checked byte for byte
+against the trainer's, and the two encoders' wire bytes against each other. From those seconds it
+derives what bounds a sync on a 10 Gbit/s link (a derivation, not a measured sync: this machine has
+one GPU and no second host).
 
 Run: ``python benchmarks/gpu_delta_check.py --out delta_gpu.json [--gib 1] [--steps 3]``; without
 CUDA it runs on the CPU (a dry run of the script).
@@ -42,6 +45,10 @@ def _sync(encoder: DeltaEncoder, decoder: DeltaDecoder, weights: list[tuple[str,
     start = time.perf_counter()
     wire = [encoder.encode(name, tensor) for name, tensor in weights]
     encode_s = time.perf_counter() - start
+    wire_digest = xxhash.xxh3_64()
+    for name, tensor in wire:
+        wire_digest.update(name.encode())
+        wire_digest.update(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data)
     start = time.perf_counter()
     got = [decoder.decode(name, tensor) for name, tensor in wire]
     rebuild_s = time.perf_counter() - start
@@ -64,6 +71,7 @@ def _sync(encoder: DeltaEncoder, decoder: DeltaDecoder, weights: list[tuple[str,
         "raw_tensors": stats.raw_tensors,
         "encode_s": encode_s,
         "rebuild_s": rebuild_s,
+        "wire_xxh3": wire_digest.hexdigest(),
     }
 
 
@@ -103,7 +111,10 @@ def main() -> int:
             ]
         model = torch.nn.Sequential(*blocks).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        sides = {threads: (DeltaEncoder(), DeltaDecoder()) for threads in (compare.THREADS, 1)}
+        sides = {
+            "device_compare": (DeltaEncoder(compare_on_device=True), DeltaDecoder()),
+            "host_compare": (DeltaEncoder(compare_on_device=False), DeltaDecoder()),
+        }
         previous: list[torch.Tensor] | None = None
 
         for step in range(args.steps + 1):
@@ -130,19 +141,16 @@ def main() -> int:
                     )
                 row["codec_host_s"] = time.perf_counter() - start
             previous = host
-            for threads, (encoder, decoder) in sides.items():  # the pool's threads first (it is made once)
-                compare.THREADS = threads  # type: ignore[misc]
-                row[f"threads_{threads}"] = _sync(encoder, decoder, named, f"e{lr}-{step}", device)
-            compare.THREADS = result["codec_threads"]  # type: ignore[misc]
-            best = row[f"threads_{result['codec_threads']}"]
-            if best["delta_sync"]:
-                full_link = best["model_bytes"] / LINK_BYTES_S
-                bound = max(best["encode_s"], best["rebuild_s"], best["wire_bytes"] / LINK_BYTES_S)
-                row["at_10gbit"] = {
-                    "full_link_s": full_link,
-                    "delta_bound_s": bound,
-                    "ratio": full_link / bound,
-                }
+            for side, (encoder, decoder) in sides.items():
+                row[side] = _sync(encoder, decoder, named, f"e{lr}-{step}", device)
+                got = row[side]
+                if got["delta_sync"]:
+                    full_link = got["model_bytes"] / LINK_BYTES_S
+                    bound = max(got["encode_s"], got["rebuild_s"], got["wire_bytes"] / LINK_BYTES_S)
+                    ratio = full_link / bound
+                    got["at_10gbit"] = {"full_link_s": full_link, "delta_bound_s": bound, "ratio": ratio}
+            if row["device_compare"]["wire_xxh3"] != row["host_compare"]["wire_xxh3"]:
+                raise AssertionError(f"lr {lr} step {step}: device and host compares sent different bytes")
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             with open(args.out, "w") as out:

@@ -497,3 +497,83 @@ def test_max_ratio_bounds_the_payload_exactly_padding_included(changed: int) -> 
     exact = sparse_size(1000, 2, changed) / 1000
     assert encode(base, new, 2, max_ratio=exact).kind is Kind.SPARSE
     assert encode(base, new, 2, max_ratio=exact - 1e-9).kind is Kind.RAW
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000, compare.PIECE])
+def test_a_rebuild_written_in_pieces_on_threads_is_exact_and_a_failed_one_is_put_back(
+    monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    """The receiver writes a delta's values a few whole blocks at a time on the codec's threads: any
+    piece size gives the sender's bytes, the patch puts the base back, and against another base every
+    piece written is undone before the digest error comes out. Changes cluster in some blocks and skip
+    others (an empty block between pieces, a block alone past the piece size, the short last block)."""
+    monkeypatch.setattr(compare, "PIECE", piece)
+    elements = 9 * BLOCK + 321
+    base = _tensor(torch.bfloat16, elements, seed=61)
+    new = base.clone()
+    bits = new.view(torch.int16)
+    gen = torch.Generator().manual_seed(62)
+    for block, fraction in [(0, 0.01), (2, 0.3), (3, 1.0), (4, 0.001), (8, 0.05), (9, 1.0)]:
+        span = min(BLOCK, elements - block * BLOCK)
+        pick = torch.rand(span, generator=gen) < fraction
+        bits[block * BLOCK : block * BLOCK + span][pick] ^= 3
+    wire = encode(base, new, 2).tobytes()
+    target = base.clone()
+    patch = decode_in_place(target, wire)
+    assert _bits(target) == _bits(new)
+    patch.apply(target)
+    assert _bits(target) == _bits(base)
+    other = base.clone()
+    other.view(torch.int16)[5 * BLOCK] ^= 1  # a block the delta does not touch: only the digest tells
+    kept = _bits(other)
+    with pytest.raises(DeltaDigestError, match="another base"):
+        decode(other, wire, out=other)
+    assert _bits(other) == kept
+
+
+def test_a_sparse_delta_naming_an_element_past_the_short_last_block_is_refused() -> None:
+    base = _tensor(torch.bfloat16, BLOCK + 10, seed=63)
+    new = base.clone()
+    new.view(torch.int16)[BLOCK + 9] ^= 1  # the last element
+    wire = bytearray(encode(base, new, 2).tobytes())
+    low_at = HEADER.size + 8 + 4 * 2  # header, count, two block counts (already 8-aligned)
+    assert int.from_bytes(wire[low_at : low_at + 2], "little") == 9
+    wire[low_at : low_at + 2] = (10).to_bytes(2, "little")  # one past the end
+    kept = _bits(base)
+    with pytest.raises(DeltaCorruptedError, match=f"names element {BLOCK + 10} of {BLOCK + 10}"):
+        decode(base, bytes(wire), out=base)
+    assert _bits(base) == kept
+
+
+@pytest.mark.parametrize("segment", [1000, 4096, codec.DIGEST_SEGMENT])
+def test_the_digest_is_the_xxh3_of_its_segments_digests_and_catches_a_flip_in_any_segment(
+    monkeypatch: pytest.MonkeyPatch, segment: int
+) -> None:
+    """The format's digest (hashed by segments on threads) is exactly its definition, whatever the
+    segment count (none for empty bytes, a short last one); a bit flipped in any segment of a rebuilt
+    bucket fails the decode and leaves an in-place base as it was."""
+    import xxhash
+
+    monkeypatch.setattr(codec, "DIGEST_SEGMENT", segment)
+    for size in (0, 1, segment, 3 * segment + 17):
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        segments = [data[at : at + segment].tobytes() for at in range(0, size, segment)]
+        parts = [xxhash.xxh3_64_intdigest(part) for part in segments]
+        assert codec.digest(data) == xxhash.xxh3_64_intdigest(np.array(parts, dtype="<u8").tobytes())
+    base = _tensor(torch.bfloat16, 2 * segment + 5, seed=71)
+    new, _ = _changed(base, 0.01, seed=72)
+    wire = encode(base, new, 2).tobytes()
+    for flip in (3, segment + 1, 4 * segment + 9):  # the byte of the base flipped: segment 0, 1 and 4
+        other = as_bytes(base.clone())
+        other[flip] ^= 0x10
+        kept = other.tobytes()
+        with pytest.raises(DeltaDigestError, match="another base"):
+            decode(other, wire, out=other)
+        assert other.tobytes() == kept
+
+
+def test_an_encoding_of_another_format_version_names_both_versions() -> None:
+    base, _new, wire = _small()
+    older = b"FSD1" + bytes(wire)[4:]
+    with pytest.raises(DeltaCorruptedError, match="delta format b'FSD1', this side speaks b'FSD2'"):
+        decode(base, older)

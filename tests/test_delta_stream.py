@@ -84,8 +84,9 @@ def _steps() -> Iterator[tuple[int, Model]]:
         yield step, model
 
 
-def test_many_delta_syncs_yield_exactly_what_a_full_sync_yields() -> None:
-    encoder, decoders = DeltaEncoder(), [DeltaDecoder(), DeltaDecoder()]
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_compare", "device_compare"])
+def test_many_delta_syncs_yield_exactly_what_a_full_sync_yields(on_device: bool) -> None:
+    encoder, decoders = DeltaEncoder(compare_on_device=on_device), [DeltaDecoder(), DeltaDecoder()]
     for step, model in _steps():
         got = _sync(encoder, decoders, model, f"e{step}")
         want = [_digest(n, t) for n, t in model]
@@ -139,12 +140,13 @@ def _base_digests(side: DeltaEncoder | DeltaDecoder) -> dict[str, str]:
     }
 
 
-def test_a_failed_delta_sync_puts_both_bases_back_and_the_next_one_diffs() -> None:
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_compare", "device_compare"])
+def test_a_failed_delta_sync_puts_both_bases_back_and_the_next_one_diffs(on_device: bool) -> None:
     """A delta sync fails after 6 tensors, with a tensor that went raw, one added and one reshaped
     among them, the consumer holding one of the yielded tensors: both bases are back at epoch a,
     byte for byte (the held tensor untouched); the next sync diffs against a and yields exactly."""
     gen = torch.Generator().manual_seed(3)
-    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    encoder, decoder = DeltaEncoder(compare_on_device=on_device), DeltaDecoder()
     model = _model(gen)
     _sync(encoder, [decoder], model, "a")
     at_a = (_base_digests(encoder), _base_digests(decoder))
@@ -200,9 +202,10 @@ def test_a_receiver_that_committed_a_sync_that_failed_elsewhere_makes_the_next_o
         assert [_digest(n, t) for n, t in received] == [_digest(n, t) for n, t in later]
 
 
-def test_a_sync_that_begins_over_an_unsettled_failed_one_settles_it_first() -> None:
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_compare", "device_compare"])
+def test_a_sync_that_begins_over_an_unsettled_failed_one_settles_it_first(on_device: bool) -> None:
     gen = torch.Generator().manual_seed(13)
-    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    encoder, decoder = DeltaEncoder(compare_on_device=on_device), DeltaDecoder()
     model = _model(gen)
     _sync(encoder, [decoder], model, "a")
     encoder.begin("a", "b")
@@ -219,12 +222,15 @@ def test_a_sync_that_begins_over_an_unsettled_failed_one_settles_it_first() -> N
         encoder.commit()
 
 
-def test_a_failed_sync_past_the_journal_limit_leaves_no_epoch_and_the_next_one_is_full() -> None:
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_compare", "device_compare"])
+def test_a_failed_sync_past_the_journal_limit_leaves_no_epoch_and_the_next_one_is_full(
+    on_device: bool,
+) -> None:
     """A delta sync that re-initialises the weights (every tensor raw: the journal passes its eighth
     of the base and is dropped) fails: no epoch on either side, a stale topology cannot make either
     diff, and the next sync is full and exact. A failed full sync keeps no journal either."""
     gen = torch.Generator().manual_seed(23)
-    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    encoder, decoder = DeltaEncoder(compare_on_device=on_device), DeltaDecoder()
     model = _model(gen)
     _sync(encoder, [decoder], model, "a")
     fresh = _model(gen)
@@ -369,9 +375,9 @@ def test_tensors_to_copy_go_through_one_reused_staging_buffer(monkeypatch: pytes
     buffer, reused from tensor to tensor and sync to sync, as large as the largest one staged; a
     producer that rewrites its tensors after each yield and a consumer that holds everything still see
     exact bytes; a tensor over STAGING_MAX is copied into fresh memory and the buffer does not grow."""
-    from verl_fastsync.delta import stream
+    from verl_fastsync.delta import device
 
-    monkeypatch.setattr(stream, "STAGING_MAX", 64 * 1024)
+    monkeypatch.setattr(device, "STAGING_MAX", 64 * 1024)
     gen = torch.Generator().manual_seed(53)
     encoder, decoder = DeltaEncoder(), DeltaDecoder()
     sizes = [(40, 30), (128, 100), (16, 8), (300, 120)]  # the last one: 72,000 bytes of fp16 > STAGING_MAX

@@ -11,11 +11,14 @@ puts back what it wrote. Imports numpy and the standard library only.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,16 +26,23 @@ import numpy.typing as npt
 __all__ = [
     "BLOCK",
     "BLOCK_BITS",
+    "PIECE",
     "SAMPLE",
     "SCAN",
     "THREADS",
     "Changes",
+    "apply_changes",
     "blocks",
     "changes",
     "changes_in",
+    "on_threads",
     "positions",
+    "sample_changed_says_raw",
     "sample_says_raw",
+    "sample_stride",
 ]
+
+T = TypeVar("T")
 
 BLOCK_BITS: Final = 16
 BLOCK: Final = 1 << BLOCK_BITS
@@ -220,18 +230,77 @@ def changes(
     return None
 
 
+PIECE: Final = 1 << 18
+"""Changed elements written at a time by :func:`apply_changes` (their ``int64`` indices, 2 MiB, stay in
+cache instead of one index array as large as the delta's)."""
+
+
+def apply_changes(
+    target: npt.NDArray[np.unsignedinteger],
+    counts: npt.NDArray[np.uint32],
+    low: npt.NDArray[np.uint16],
+    values: npt.NDArray[np.unsignedinteger],
+    saved: npt.NDArray[np.unsignedinteger] | None = None,
+) -> None:
+    """Writes ``values`` where blocked ``counts`` and ``low`` name (checked by the caller), whole
+    blocks of about :data:`PIECE` changed elements at a time, on :data:`THREADS` threads when there
+    are several pieces; ``saved`` (as long as ``values``) takes the values written over first."""
+    total = low.size
+    if not total:
+        return
+    cumulative = np.cumsum(counts, dtype=np.int64)
+    # the first block of each piece: where the running count passes the next multiple of PIECE
+    cuts = np.searchsorted(cumulative, np.arange(PIECE, total, PIECE, dtype=np.int64), side="left") + 1
+    edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < counts.size)), counts.size]
+
+    def piece(first: int, stop: int) -> None:
+        lo = int(cumulative[first - 1]) if first else 0
+        hi = int(cumulative[stop - 1])
+        if hi == lo:
+            return
+        index = positions(counts[first:stop], low[lo:hi], first << BLOCK_BITS)
+        if saved is not None:
+            saved[lo:hi] = target[index]
+        target[index] = values[lo:hi]
+
+    on_threads([functools.partial(piece, a, b) for a, b in itertools.pairwise(edges)])
+
+
+def on_threads(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """The results of ``calls``, run on the :data:`THREADS` threads when there are several (each
+    done before anything is returned or raised), else here."""
+    if len(calls) <= 1 or THREADS == 1:
+        return [call() for call in calls]
+    pool = _threads()
+    parts = [pool.submit(call) for call in calls]
+    wait(parts)
+    return [part.result() for part in parts]
+
+
 SAMPLE: Final = 16384
 """Evenly spaced elements compared before a tensor of at least 4x as many is scanned."""
+
+
+def sample_stride(elements: int) -> int | None:
+    """The stride of the evenly spaced sample taken of a tensor of ``elements``; None: too small to
+    sample (it is scanned whatever it holds)."""
+    return None if elements < 4 * SAMPLE else elements // SAMPLE
+
+
+def sample_changed_says_raw(changed: int, elements: int, stride: int, most: float) -> bool:
+    """``changed`` of the sample taken at ``stride`` differ at 1.25x the fraction the sparse form can
+    afford (re-initialised or heavily trained weights): send raw without scanning, which would build
+    a large index before its count stops it. Only speed depends on it: a sample that errs either way
+    still yields exact bytes."""
+    return changed / -(-elements // stride) > 1.25 * most / elements
 
 
 def sample_says_raw(
     old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger], most: float
 ) -> bool:
-    """A sample changed at 1.25x the fraction the sparse form can afford (re-initialised or heavily
-    trained weights): send raw without scanning, which would build a large index before its count
-    stops it. Only speed depends on it: a sample that errs either way still yields exact bytes."""
-    if old.size < 4 * SAMPLE:
+    """:func:`sample_changed_says_raw` for two host arrays."""
+    stride = sample_stride(old.size)
+    if stride is None:
         return False
-    stride = old.size // SAMPLE
     changed = int(np.count_nonzero(old[::stride] != new[::stride]))
-    return changed / -(-old.size // stride) > 1.25 * most / old.size
+    return sample_changed_says_raw(changed, old.size, stride, most)

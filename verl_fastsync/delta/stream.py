@@ -11,7 +11,7 @@ What goes on the wire, per tensor:
   not at most ``max_ratio`` of its bytes) goes as itself, under its own name: no header, no copy;
 * otherwise a ``uint8`` tensor named :data:`DELTA_PREFIX` + name: a header (dtype, shape, padded to 8
   bytes) and a :mod:`~verl_fastsync.delta.codec` encoding (sparse blocked index/value pairs at the
-  element width, with the xxh3-64 digest of the new bytes). The receiver rebuilds the tensor from its
+  element width, with the codec's digest of the new bytes). The receiver rebuilds the tensor from its
   base and checks that digest: a wrong base never yields wrong bytes, it fails the sync.
 
 **Bases and epochs.** Both sides name their base with an *epoch* (the id of the sync it came from).
@@ -27,9 +27,10 @@ and the next sync is full (a half-updated base is never used). Tensors not sent 
 base when the sync ends (a tensor removed from the model).
 
 **Memory.** The base is the model's bytes in host memory on the sending rank (its share, with several
-senders) and on every receiving rank, plus the undo journal during a delta sync (at most
-:data:`UNDO_FRACTION` of it) and, on the sender, one staging buffer (:class:`_Staging`). A
-receiver lends the consumer a view of the base it rebuilt; a base the consumer still holds is never
+senders; page-locked for CUDA tensors compared on the device, :mod:`~verl_fastsync.delta.device`) and
+on every receiving rank, plus the undo journal during a delta sync (at most :data:`UNDO_FRACTION` of
+it) and, on the sender, one staging buffer (:class:`~verl_fastsync.delta.device.Staging`). A receiver
+lends the consumer a view of the base it rebuilt; a base the consumer still holds is never
 written again (the next sync rebuilds that tensor into new memory and drops the old one), a base it
 let go of is rebuilt in place. So the consumer may hold what it was given for as long as it likes. A
 consumer that writes into a yielded tensor changes the base; the next delta sync then fails its
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import struct
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
@@ -54,6 +56,7 @@ from verl_fastsync.delta.bases import UNDO_FRACTION, Base, UndoJournal
 from verl_fastsync.delta.codec import (
     DEFAULT_MAX_RATIO,
     HEADER,
+    Delta,
     DeltaError,
     Kind,
     Patch,
@@ -62,17 +65,19 @@ from verl_fastsync.delta.codec import (
     decode_in_place,
     encode,
 )
+from verl_fastsync.delta.device import Staging, encode_on_device, host_bytes, pinned_copy
 from verl_fastsync.io.lending import lend
 
 __all__ = [
     "DELTA_PREFIX",
-    "STAGING_MAX",
     "UNDO_FRACTION",
     "DeltaDecoder",
     "DeltaEncoder",
     "DeltaStats",
     "DeltaSyncError",
 ]
+
+_log = logging.getLogger(__name__)
 
 DELTA_PREFIX: Final = "__fastsync_delta__/"
 """Name prefix of a tensor sent as a delta (a model tensor may not be named so)."""
@@ -122,52 +127,6 @@ class DeltaStats:
             "fastsync/transfer/delta_changed_fraction": changed,
             "fastsync/transfer/delta_codec_s": self.codec_s,
         }
-
-
-def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``tensor``'s bytes as a flat contiguous ``uint8`` CPU tensor, and whether that is a copy (a
-    device tensor or a non-contiguous one) rather than a view of ``tensor``'s memory."""
-    data = tensor.detach()
-    copied = data.device.type != "cpu" or not data.is_contiguous()
-    if data.device.type != "cpu":
-        data = data.to("cpu")
-    data = data.contiguous().reshape(-1)
-    if data.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8), True
-    return (data if data.dtype == torch.uint8 else data.view(torch.uint8)), copied
-
-
-STAGING_MAX: Final = 512 << 20
-"""Bytes of the sender's staging buffer at most (a larger tensor is copied into fresh memory)."""
-
-
-class _Staging:
-    """The sender's one reusable host buffer for a tensor that must be copied before it is compared (a
-    device tensor, a non-contiguous one). A fresh host tensor per tensor pays its page faults every
-    sync: on an H200 host a GiB of bf16 took 0.60 s into fresh pageable memory, 0.064 s into a reused
-    pageable buffer and 0.020 s into a reused pinned one. Pinned when CUDA is available; as large as
-    the largest tensor staged so far, at most :data:`STAGING_MAX`; what it holds is valid until the next
-    tensor is staged (nothing keeps it: a base keeps a copy)."""
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-
-    def host_bytes(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """As :func:`_host_bytes`, but a copy goes into the staging buffer when it fits (then the
-        second value is False: the bytes are not this caller's to keep)."""
-        data = tensor.detach()
-        nbytes = data.numel() * data.element_size()
-        if (data.device.type == "cpu" and data.is_contiguous()) or not 0 < nbytes <= STAGING_MAX:
-            return _host_bytes(data)
-        buffer = self.buffer
-        if buffer is None or buffer.numel() < nbytes:
-            self.buffer = None  # (the old one goes before the new one is made)
-            buffer = self.buffer = torch.empty(
-                nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-            )
-        staged = buffer[:nbytes]
-        staged.view(data.dtype).reshape(data.shape).copy_(data)  # (synchronous from a device)
-        return staged, False
 
 
 def _width(tensor: torch.Tensor) -> int:
@@ -326,10 +285,16 @@ class DeltaEncoder(_Side):
 
     role = "sender"
 
-    def __init__(self, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
+    def __init__(self, max_ratio: float = DEFAULT_MAX_RATIO, compare_on_device: bool | None = None) -> None:
         super().__init__()
         self.max_ratio = max_ratio
-        self._staging = _Staging()
+        self.compare_on_device = compare_on_device
+        """Compare a tensor with its base on the tensor's device (:func:`encode_on_device`) rather than
+        on the host; None: for a tensor that is not on the CPU (the tests force it on CPU tensors)."""
+        self.device_fallbacks = 0
+        """Tensors compared on the host because the compare on their device ran out of device memory
+        (the first one is logged)."""
+        self._staging = Staging()
 
     def encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """What to send for ``name`` (see the module docstring); the base holds ``tensor``'s bytes after."""
@@ -340,36 +305,24 @@ class DeltaEncoder(_Side):
         if name.startswith(DELTA_PREFIX):
             raise DeltaSyncError(f"{self.who}: tensor name {name!r} starts with reserved {DELTA_PREFIX!r}")
         self._take(name)
-        new, copied = self._staging.host_bytes(tensor)
         shape = tuple(tensor.shape)
-        stats = self.stats
-        stats.model_bytes += new.numel()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.model_bytes += nbytes
         held = self.base.get(name)
-        usable = (
-            self._against is not None
-            and held is not None
-            and held.dtype == tensor.dtype
-            and held.shape == shape
-            and held.data.numel() == new.numel()
-        )
-        if not usable or held is None:
+        if (
+            self._against is None
+            or held is None
+            or held.dtype != tensor.dtype
+            or held.shape != shape
+            or held.data.numel() != nbytes
+        ):
             self._journal_replaced(name, held)
-            self.base[name] = Base(tensor.dtype, shape, new if copied else new.clone())
-            stats.raw_tensors += 1
-            stats.wire_bytes += new.numel()
-            return name, tensor
+            self.base[name] = Base(tensor.dtype, shape, self._new_base(tensor))
+            return self._raw(name, tensor)
         width = _width(tensor)
-        undo = self._journal is not None
-        delta = encode(held.data, new, width, max_ratio=self.max_ratio, update_base=True, undo=undo)
-        if delta.kind is Kind.RAW:
-            if undo:  # the base is as it was: keep it in the journal, or write the new bytes into it
-                if self._journal_replaced(name, held):
-                    self.base[name] = Base(tensor.dtype, shape, new if copied else new.clone())
-                else:
-                    held.data.copy_(new)
-            stats.raw_tensors += 1
-            stats.wire_bytes += new.numel()
-            return name, tensor
+        delta = self._sparse_delta(name, tensor, held, width)
+        if delta is None:
+            return self._raw(name, tensor)
         if delta.undo is not None:
             self._journal_patch(name, delta.undo)
         head = _pack_header(tensor.dtype, shape)
@@ -382,11 +335,59 @@ class DeltaEncoder(_Side):
         for part in delta.parts:
             wire[at : at + part.nbytes] = part
             at += part.nbytes
+        stats = self.stats
         stats.delta_tensors += 1
         stats.wire_bytes += wire.nbytes
         stats.changed_elements += int(delta.changed or 0)
-        stats.compared_elements += new.numel() // width
+        stats.compared_elements += nbytes // width
         return DELTA_PREFIX + name, torch.from_numpy(wire)
+
+    def _sparse_delta(self, name: str, tensor: torch.Tensor, held: Base, width: int) -> Delta | None:
+        """The sparse delta of ``tensor`` from its base ``held`` (which then holds ``tensor``'s bytes,
+        its old values journaled); None: ``tensor`` goes as itself, its new base already in place."""
+        undo = self._journal is not None
+        if self._on_device(tensor):
+            try:
+                delta = encode_on_device(held.data, tensor, width, max_ratio=self.max_ratio, undo=undo)
+            except torch.OutOfMemoryError as exc:  # (nothing written yet): the host compare does it
+                self.device_fallbacks += 1
+                if self.device_fallbacks == 1:
+                    _log.warning("%s: comparing %r on its device ran out of memory (%s); compared on "
+                                 "the host instead", self.who, name, str(exc).splitlines()[0])  # fmt: skip
+            else:
+                if delta is None:  # the base is as it was: keep it in the journal, or copy the new bytes in
+                    if undo and self._journal_replaced(name, held):
+                        self.base[name] = Base(tensor.dtype, held.shape, self._new_base(tensor))
+                    elif held.data.numel():
+                        held.data.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+                return delta
+        new, copied = self._staging.host_bytes(tensor)
+        found = encode(held.data, new, width, max_ratio=self.max_ratio, update_base=True, undo=undo)
+        if found.kind is not Kind.RAW:
+            return found
+        if undo:  # the base is as it was: keep it in the journal, or write the new bytes into it
+            if self._journal_replaced(name, held):
+                self.base[name] = Base(tensor.dtype, held.shape, new if copied else new.clone())
+            else:
+                held.data.copy_(new)
+        return None
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type != "cpu" if self.compare_on_device is None else self.compare_on_device
+
+    def _new_base(self, tensor: torch.Tensor) -> torch.Tensor:
+        """New host memory holding ``tensor``'s bytes, to keep as its base: page-locked for a CUDA
+        tensor compared on its device (the base crosses to the device every sync), else pageable."""
+        if tensor.device.type == "cuda" and self._on_device(tensor):
+            return pinned_copy(tensor)
+        new, copied = self._staging.host_bytes(tensor)
+        return new if copied else new.clone()
+
+    def _raw(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """``tensor`` goes as itself (its base was set by the caller)."""
+        self.stats.raw_tensors += 1
+        self.stats.wire_bytes += tensor.numel() * tensor.element_size()
+        return name, tensor
 
     async def stream(
         self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
@@ -423,7 +424,7 @@ class DeltaDecoder(_Side):
         stats.wire_bytes += received.numel() * received.element_size()
         if not name.startswith(DELTA_PREFIX):
             self._take(name)
-            data, copied = _host_bytes(received)
+            data, copied = host_bytes(received)
             held = self.base.get(name)
             reuse = held is not None and held.writable() and held.data.numel() == data.numel()
             if self._journal is not None and self._journal_replaced(name, held):
@@ -440,7 +441,7 @@ class DeltaDecoder(_Side):
         self._take(name)
         if self._against is None:
             raise DeltaSyncError(f"{self.who}: {name!r} arrived as a delta in a full sync")
-        wire = as_bytes(_host_bytes(received)[0])
+        wire = as_bytes(host_bytes(received)[0])
         dtype, shape, at = _unpack_header(wire, self.who)
         held = self.base.get(name)
         if held is None or held.dtype != dtype or held.shape != shape:
