@@ -38,6 +38,19 @@ def test_the_engine_modes_use_the_readmes_engine_overrides() -> None:
         assert [o.split("=")[0] for o in fastsync] == [o.split("=")[0] for o in want], (fastsync, want)
 
 
+def test_the_delta_mode_is_the_gloo_engine_mode_plus_the_readmes_delta_override() -> None:
+    run_cpu = example()
+    readme = _bash_block_with("fastsync.delta=true")
+    assert readme == ["+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync.delta=true"]
+    gloo_layout, gloo = run_cpu.MODES["separate-gloo"]
+    layout, fastsync = run_cpu.MODES["separate-gloo-delta"]
+    assert fastsync == gloo + readme, fastsync
+    # the run differs only in its learning rate; the layout follows the run (Hydra takes the last)
+    assert layout == gloo_layout + run_cpu.DELTA_RUN, layout
+    lr = [o for o in run_cpu.RUN if o.startswith("actor_rollout_ref.actor.optim.lr=")]
+    assert len(lr) == 1 and run_cpu.DELTA_RUN == ["actor_rollout_ref.actor.optim.lr=1e-10"], lr
+
+
 def test_the_readme_lists_every_mode_and_stock_switches_nothing_on() -> None:
     run_cpu = example()
     line = next(x for x in README.splitlines() if x.startswith("# CPU: "))

@@ -86,6 +86,15 @@ def _engine(transport: str) -> list[str]:
     ]
 
 
+DELTA = [f"+{ENGINE}engine_kwargs.fastsync.delta=true"]
+"""The README's delta override (``separate-gloo-delta``: on the gloo engine)."""
+
+DELTA_RUN = ["actor_rollout_ref.actor.optim.lr=1e-10"]
+"""The delta run's learning rate (after :data:`RUN`'s: Hydra takes the last). This run's weights are
+fp32, and at 1e-5 AdamW moves every fp32 value every step (each tensor would go raw); at 1e-10 only the
+values below ~1.7e-3 in magnitude move, 5-7% of them per step - what ordinary learning rates do to
+``bf16`` weights on a GPU - so every tensor goes as a sparse delta."""
+
 MODES: dict[str, tuple[list[str], list[str]]] = {
     # mode: (layout, fastsync overrides)
     "stock": ([], []),
@@ -94,10 +103,12 @@ MODES: dict[str, tuple[list[str], list[str]]] = {
     "separate-shm": (SEPARATE, _engine("shm")),
     "separate-gloo": (SEPARATE, _engine("gloo")),
     "separate-nixl": (SEPARATE, _engine("nixl")),
+    "separate-gloo-delta": (SEPARATE + DELTA_RUN, _engine("gloo") + DELTA),
 }
 """``stock``: verl alone (plugin installed, not enabled). ``colocated``/``colocated-v0``: the README's
 colocated overrides in the v1 (default) and the legacy v0 trainer. ``separate-*``: the v1
-``separate_async`` trainer with ``checkpoint_engine.backend=fastsync`` on each transport."""
+``separate_async`` trainer with ``checkpoint_engine.backend=fastsync`` on each transport, and on gloo
+with ``delta=true``."""
 
 
 def cpu_env() -> dict[str, str]:

@@ -8,7 +8,8 @@ log-probs vLLM sampled with and the ones the trainer computes for the same token
 dummy (random) weights, so a value near 0 at step 1 means the first sync replaced every weight; a
 sync that skipped or garbled a tensor gives values near 1. Where trainer and rollout take turns
 (colocated), every step must stay that close; ``separate_async`` samples one update behind by design
-(~1e-4 at this learning rate).
+(~1e-4 at this learning rate). ``separate-gloo-delta`` runs the gloo engine with ``delta=true`` at a
+learning rate that moves a few % of the fp32 values per step (each sync after the first is a delta).
 
 Each run also asserts the plugin really ran (its ``fastsync/*`` keys in verl's step log, carrying the
 model's exact byte count; none with the plugin off, where verl's own sender ran), and that nothing of
@@ -167,6 +168,35 @@ def test_separate_async_main_ppo_with_the_fastsync_engine(mode: str, workdir: Pa
         assert data["fastsync/transfer/tensors"] == tensors
         # the 64 KiB bucket is smaller than the embedding: split tensors crossed the real engine path
         assert data["fastsync/transfer/chunks"] > tensors, data
+
+
+def test_separate_async_main_ppo_with_delta_sync(workdir: Path) -> None:
+    """The README's ``delta=true`` override on the gloo engine: verl's CheckpointEngineManager drives it
+    step after step. The first sync (vLLM's dummy weights replaced) is full; every later one diffs
+    against the bases both sides agreed on in verl's ``build_topology``. At this run's learning rate
+    (``run_cpu.DELTA_RUN``) 5-7% of the fp32 values move per step, so every tensor goes as a sparse
+    delta; vLLM's worker rebuilds each one from its base and checks its digest (a wrong byte fails the
+    sync, and the run)."""
+    run = _run("separate-gloo-delta", workdir)
+    _assert_weights_in_sync(run, every_step=ANY_STEP_MAX_DIFF)
+    total, tensors = _model_bytes(workdir / "assets" / "model")
+    changed = []
+    for step, keys in zip(run.steps, run.fastsync_keys(), strict=True):
+        data = step["data"]
+        assert "fastsync/transfer/delta_sync" in keys, keys
+        assert data["fastsync/transfer/delta_sync"] == 1.0, data  # diffed, not full
+        assert data["fastsync/transfer/delta_full_syncs"] == 1.0, data  # the first sync only
+        assert data["fastsync/transfer/delta_model_bytes"] == total, (data, total)
+        assert data["fastsync/transfer/tensors"] == tensors
+        assert data["fastsync/transfer/bytes"] == data["fastsync/transfer/delta_wire_bytes"], data
+        both = data["fastsync/transfer/delta_tensors"] + data["fastsync/transfer/delta_raw_tensors"]
+        assert both == tensors, data
+        changed.append(data["fastsync/transfer/delta_changed_fraction"])
+    # (step 1's sync carries the weights step 1 sampled with: unchanged; later steps' moved)
+    moved = [s["data"] for s in run.steps[1:]]
+    assert moved and all(0.0 < d["fastsync/transfer/delta_changed_fraction"] < 0.25 for d in moved), changed
+    assert all(d["fastsync/transfer/delta_tensors"] > 0 for d in moved), moved
+    assert all(4 * d["fastsync/transfer/delta_wire_bytes"] < total for d in moved), (moved, total)
 
 
 def test_doctor_warns_about_this_verl_and_vllm() -> None:
