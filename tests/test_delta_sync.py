@@ -16,6 +16,8 @@ import pytest
 import torch
 from _transport_harness import Cluster, TensorSpec, expected_digests, synthetic_model  # type: ignore[import-not-found]
 
+from verl_fastsync.transports.sending import delta_flush_bytes
+
 CPU_TRANSPORTS = ["shm", "gloo", "nixl"]
 BUCKET = 4096
 TIMEOUT_S = 60
@@ -64,13 +66,14 @@ def test_delta_syncs_deliver_every_byte_and_move_few(transport: str) -> None:
                 assert sent["fastsync/transfer/delta_codec_s"] > 0.0
                 model_bytes = sent["fastsync/transfer/delta_model_bytes"]
                 assert sent["fastsync/transfer/bytes"] < 0.3 * model_bytes, sent
-                # a bucket goes out after each bucket's worth of model bytes (deltas are a fraction of
-                # that): as many buckets as a full sync's, not as few as the deltas would fill
+                # a bucket goes out after each quarter bucket of model bytes (deltas are a fraction of
+                # that): more buckets than a full sync's, not as few as the deltas would fill
                 assert (
                     sent["fastsync/transfer/buckets"]
-                    >= _flushes(BUCKET)
+                    >= _flushes(delta_flush_bytes(BUCKET))
+                    > _flushes(BUCKET)
                     > 3 * sent["fastsync/transfer/bytes"] / BUCKET
-                )
+                ), sent
             else:
                 assert sent["fastsync/transfer/bytes"] == sent["fastsync/transfer/delta_model_bytes"]
 

@@ -56,7 +56,7 @@ from verl_fastsync.transports.lanes_plan import (
     read_manifest,
     tensor_nbytes,
 )
-from verl_fastsync.transports.sending import SendingTransport, aiter_items
+from verl_fastsync.transports.sending import SendingTransport, aiter_items, delta_flush_bytes
 
 __all__ = ["LanesTransport", "lanes_topology"]
 
@@ -251,8 +251,12 @@ class LanesTransport(EngineTransport):
         encode = self.encode_item
         transport = self.lanes[0]
         # encoded items are a fraction of the bytes they stand for: a bucket goes out after each
-        # bucket's worth of this share's model bytes, as a full sync's would (see FLUSH_BUCKET)
-        every = transport.bucket_size if encode is not None and isinstance(transport, SendingTransport) else 0
+        # quarter bucket of this share's model bytes (see delta_flush_bytes, FLUSH_BUCKET)
+        every = (
+            delta_flush_bytes(transport.bucket_size)
+            if encode is not None and isinstance(transport, SendingTransport)
+            else 0
+        )
 
         async def share() -> AsyncIterator[tuple[str, torch.Tensor] | FlushBucket]:
             nonlocal manifest_bytes

@@ -34,7 +34,7 @@ from verl_fastsync.transports.base import SENDER_RANK, TransferStats, TransportE
 from verl_fastsync.transports.lifecycle import InFlight, TransportCore
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
-__all__ = ["SendingTransport", "aiter_items", "flush_every"]
+__all__ = ["SendingTransport", "aiter_items", "delta_flush_bytes", "flush_every"]
 
 Item = tuple[str, torch.Tensor]
 
@@ -179,6 +179,17 @@ async def aiter_items(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncGenerat
         for item in items:
             yield item
             del item
+
+
+def delta_flush_bytes(bucket_size: int) -> int:
+    """Model bytes after which a delta stream posts its open bucket: a quarter of the bucket. A delta
+    sync's sender encodes (and copies raw tensors into its base) before the link starts, and each
+    receiver rebuilds (and copies into its base) after the last bytes arrive, so the first and last
+    posts are on the sync's critical path; smaller posts shorten both. ``delta_bench --pin`` at
+    10 Gbit/s, 32 MiB buckets, same runs: every value changed (raw fallback) 0.91x a full sync's speed
+    posting per bucket, 0.96-0.99x per quarter; 1% changed 1.75x -> 1.72-1.98x. A full sync gains
+    nothing measurable from it (it only copies into the bucket), so it still posts full buckets."""
+    return max(1, bucket_size // 4)
 
 
 async def flush_every(

@@ -92,7 +92,7 @@ from verl_fastsync.transports.base import (
     consumer_error,
 )
 from verl_fastsync.transports.lanes import LanesTransport, lanes_topology
-from verl_fastsync.transports.sending import SendingTransport, flush_every
+from verl_fastsync.transports.sending import SendingTransport, delta_flush_bytes, flush_every
 
 logger = logging.getLogger(__name__)
 
@@ -374,10 +374,11 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             if isinstance(self.transport, LanesTransport):
                 self.transport.encode_item = encoder.encode  # after the plan: each sender its share
             elif isinstance(self.transport, SendingTransport):
-                # a bucket goes out after each bucket's worth of model bytes, as in a full sync: the
-                # receivers rebuild one part while this side encodes the next
+                # a bucket goes out after each quarter bucket of model bytes: the receivers rebuild
+                # one part while this side encodes the next (deltas alone would fill few buckets)
                 delta = encoder.stats
-                flushed = flush_every(encoder.stream(weights), size, lambda: delta.model_bytes)
+                every = delta_flush_bytes(size)
+                flushed = flush_every(encoder.stream(weights), every, lambda: delta.model_bytes)
             else:
                 weights = encoder.stream(weights)
         if flushed is not None and isinstance(self.transport, SendingTransport):
