@@ -13,8 +13,9 @@
 #                                light vs adaptive vs aggressive (= verl 0.9.0), bytes freed, seconds,
 #                                GC objects (benchmarks/gpu_cleanup_check.py)
 #   <outdir>/colocated.json      colocated CUDA IPC path (benchmarks/gpu_colocated.py, if present)
-#   <outdir>/bench.json          verl-fastsync bench: colocated ipc/shm and the engine transports one
-#                                GPU allows (nccl, nixl, gloo, shm), with cleanup on CUDA
+#   <outdir>/nccl_gpu.json       the nccl engine transport, plain and delta (benchmarks/gpu_nccl_check.py)
+#   <outdir>/bench.json          verl-fastsync bench: colocated ipc/shm and the engine transports nixl,
+#                                gloo, shm (with cleanup on CUDA)
 #   <outdir>/summary.json        each step's exit status and wall seconds
 #   <outdir>/*.log               each step's output
 #
@@ -82,12 +83,14 @@ HEAP=3000000
 SIZE=1
 BUCKETS=64,256,1024
 DELTA_GIB=1
+NCCL_MIB=512
 BUDGET=${GPU_CHECK_BUDGET:-460}
 if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
     HEAP=30000
     SIZE=0.01
     BUCKETS=1,4
     DELTA_GIB=0.02
+    NCCL_MIB=8
 fi
 
 # (a shell function cannot run under `timeout`: pip --no-index contacts nothing and is quick)
@@ -137,12 +140,16 @@ if [ -f "$HERE/gpu_colocated.py" ]; then
     step colocated 120 "$PY" "$HERE/gpu_colocated.py" "$OUT"
 fi
 
-# 3. bench: colocated ipc + shm, engine transports (nccl/nixl/gloo/shm as one GPU allows),
-#    1 GiB models, buckets 64 MiB..1 GiB; no cleanup section here (step 1 covers it)
+# 3. the nccl engine transport, plain and with delta sync (~30 s): its two ranks set their own
+#    NCCL_HOSTID (NCCL refuses two ranks of one communicator on one GPU otherwise)
+step nccl 120 "$PY" "$HERE/gpu_nccl_check.py" --out "$OUT/nccl_gpu.json" --mib "$NCCL_MIB"
+
+# 4. bench: colocated ipc + shm, engine transports (nixl/gloo/shm; nccl is step 3: the bench's ranks
+#    share one GPU as one host), 1 GiB models, buckets 64 MiB..1 GiB; no cleanup section (step 1)
 left=$((BUDGET - ($(date +%s) - START)))
 [ $left -lt 60 ] && left=60
 step bench "$left" "$PY" -m verl_fastsync.tools.cli bench --quiet \
-    --sections transfer,scale --transports ipc,nccl,nixl,gloo,shm \
+    --sections transfer,scale --transports ipc,nixl,gloo,shm \
     --size-gib "$SIZE" --bucket-mib "$BUCKETS" --repeats 3 --scale-sizes 0.5,1,2 --scale-pieces 1,8 \
     --timeout 120 --json "$OUT/bench.json"
 
