@@ -45,7 +45,8 @@ def test_bench_bad_option_exits_2() -> None:
     assert proc.returncode == 2
     assert "nonesuch" in proc.stderr and "dense-small" in proc.stderr
     proc = _run_cli("bench", "--sections", "transfer,bogus", timeout=60)
-    assert proc.returncode == 2 and "allowed: cleanup, transfer, idle, scale, e2e, crosshost" in proc.stderr
+    allowed = "allowed: cleanup, transfer, idle, scale, e2e, crosshost, delta"
+    assert proc.returncode == 2 and allowed in proc.stderr
     proc = _run_cli("bench", "--extra", "moe-small:2", timeout=60)
     assert proc.returncode == 2 and "MODEL:SIZE_GIB:BUCKET_MIB" in proc.stderr
 
@@ -71,7 +72,7 @@ def test_bench_help_is_plain_text_with_allowed_values() -> None:
     assert "``" not in text and "``" not in top
     flat = " ".join(text.split())
     assert "built-in: shm, gloo, nixl, nccl, ipc" in flat
-    assert "allowed: cleanup, transfer, idle, scale, e2e, crosshost" in flat
+    assert "allowed: cleanup, transfer, idle, scale, e2e, crosshost, delta" in flat
     assert "allowed: dense-small, moe-small" in flat
     seed = next(a for a in sub.choices["bench"]._actions if a.dest == "seed")  # type: ignore[attr-defined]
     assert seed.help and "seed" in seed.help

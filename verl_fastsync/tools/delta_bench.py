@@ -14,7 +14,8 @@ Run ``python -m verl_fastsync.tools.delta_bench [--width 1024] [--layers 8] [--g
 [--one-host shm] [--pin]`` (``0``: unshaped; ``--one-host``: also both ranks in one namespace, rows
 ``host shm``; ``--pin``: the trainer's process on CPU 0 and the rollout's on CPU 1, so that the two
 "hosts" do not share cores and one side's encode can overlap the other's rebuild as across real
-hosts).
+hosts), or as the ``delta`` section of ``verl-fastsync bench`` (:func:`bench_section`: ``--sections
+delta`` for the quick rows, ``--full`` for the README's).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_fastsync.tools.netns import unavailable_reason
 from verl_fastsync.tools.netns_star import NamespaceStar
 from verl_fastsync.tools.netns_worker import CPUS_ENV, NetnsWorker
 
-__all__ = ["DeltaBenchOptions", "format_delta", "run_delta"]
+__all__ = ["FULL", "QUICK", "DeltaBenchOptions", "bench_rows", "bench_section", "format_delta", "run_delta"]
 
 _PEER = "verl_fastsync.tools.delta_bench_peer"
 MIB = 1 << 20
@@ -181,6 +183,79 @@ def format_delta(result: dict[str, Any]) -> str:
             f"{delta.get('encode_s', 0.0):8.3f} {delta.get('decode_s', 0.0):9.3f}"
         )
     return "\n".join(lines)
+
+
+QUICK = DeltaBenchOptions(steps=2, lrs=(1e-6,), gbits=(10.0,))
+"""The bench's quick ``delta`` rows: the README's model (128 MiB of bf16), lr 1e-6, 10 Gbit/s, two steps
+and a re-initialisation (about 30 s on 2 cores; a much smaller model measures per-sync overheads)."""
+FULL = DeltaBenchOptions(gbits=(10.0, 1.0, 0.0), one_host="shm")
+"""The bench's ``--full`` ``delta`` rows: the README's (128 MiB, lr 1e-6 and 1e-5, 10 / 1 Gbit/s,
+unshaped and one host; about 2 minutes)."""
+
+
+def _label(r: dict[str, Any]) -> str:
+    link = (
+        f"host {r['transport']}"
+        if r.get("one_host")
+        else f"{r['gbit']:g} Gbit/s"
+        if r["gbit"]
+        else "unshaped"
+    )
+    return f"{link}, lr {r['lr']:g}, step {r['step']}"
+
+
+def bench_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`run_delta`'s result as bench rows: per step a ``delta=false`` row and a ``delta=true``
+    row whose baseline it is. ``bytes`` is the model's (what either sync delivers, so the bench pairs
+    them); what crossed the link is ``wire_bytes``."""
+    rows: list[dict[str, Any]] = []
+    for r in result["rows"]:
+        label = _label(r)
+        for name in ("full", "delta"):
+            if name not in r:
+                continue
+            sync = r[name]
+            rows.append(
+                {
+                    "row": f"{label}: {name}",
+                    "kind": "fastsync",
+                    "transport": r["transport"],
+                    "seconds": [float(sync["seconds"])],
+                    "bytes": int(r["model_bytes"]),
+                    "status": "ok",
+                    "baseline": f"{label}: full" if name == "delta" else None,
+                    "note": f"delta={str(name == 'delta').lower()}; {r['changed_fraction']:.2%} of the "
+                    "values changed since the last sync",
+                    "link_gbit": float(r["gbit"]),
+                    "one_host": bool(r.get("one_host")),
+                    "lr": float(r["lr"]),
+                    "step": str(r["step"]),
+                    "changed_fraction": float(r["changed_fraction"]),
+                    "wire_bytes": int(sync["wire_bytes"]),
+                    "encode_s": float(sync.get("encode_s", 0.0)),
+                    "rebuild_s": float(sync.get("decode_s", 0.0)),
+                }
+            )
+    return rows
+
+
+def bench_section(quick: bool) -> list[dict[str, Any]]:
+    """The ``delta`` section of ``verl-fastsync bench`` (:data:`QUICK` or :data:`FULL`; each side
+    pinned to its own CPU when CPUs 0 and 1 are there)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return [
+            {
+                "row": "delta sync",
+                "kind": "fastsync",
+                "transport": "gloo",
+                "seconds": [],
+                "bytes": None,
+                "status": f"not available: network namespaces: {reason}",
+            }
+        ]
+    opts = dataclasses.replace(QUICK if quick else FULL, pin={0, 1} <= os.sched_getaffinity(0))
+    return bench_rows(run_delta(opts))
 
 
 def main(argv: list[str] | None = None) -> int:

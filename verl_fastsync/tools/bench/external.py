@@ -1,7 +1,9 @@
 """Sections measured by other modules of ``verl_fastsync.tools``, rendered by the bench.
 
 ``e2e``: ``verl_fastsync.tools.e2e.bench_section(quick)`` (real vLLM, end to end);
-``crosshost``: ``verl_fastsync.tools.crosshost.bench_section(quick)`` (two network namespaces).
+``crosshost``: ``verl_fastsync.tools.crosshost.bench_section(quick)`` (two network namespaces);
+``delta``: ``verl_fastsync.tools.delta_bench.bench_section(quick)`` (delta vs full syncs of real
+optimizer steps across two network namespaces).
 Each returns a list of row dicts (``row``, ``kind``, ``transport``, ``seconds``, ``bytes``,
 ``status``, ``baseline``, ``note``; see ``docs/bench-schema.md``). A section is skipped, with the
 reason, when its module is missing, raises, or every row it returns is ``not available``.
@@ -17,7 +19,12 @@ from typing import Any
 from verl_fastsync.tools.bench.options import BenchSchemaError
 from verl_fastsync.tools.bench.schema import NOT_AVAILABLE, fill_ratios, normalize_external
 
-MODULES = {"e2e": "verl_fastsync.tools.e2e", "crosshost": "verl_fastsync.tools.crosshost"}
+MODULES = {
+    "e2e": "verl_fastsync.tools.e2e",
+    "crosshost": "verl_fastsync.tools.crosshost",
+    "delta": "verl_fastsync.tools.delta_bench",
+}
+"""The module behind each of the :data:`~verl_fastsync.tools.bench.options.EXTERNAL` sections."""
 
 
 def run_external_section(

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from verl_fastsync.tools.bench.options import GIB, MIB
+from verl_fastsync.tools.bench.options import EXTERNAL, GIB, MIB
 
 WIDTH = 120
 
@@ -287,10 +287,20 @@ def _scale(result: dict[str, Any], notes: Notes) -> list[str]:
     return out
 
 
+_TITLES = {
+    "e2e": "E2E (real vLLM)",
+    "crosshost": "CROSSHOST (two network namespaces)",
+    "delta": "DELTA (one sync per step, delta=true vs delta=false of the same weights; real AdamW steps; "
+    "two network namespaces)",
+}
+
+
 def _external(result: dict[str, Any], section: str, notes: Notes) -> list[str]:
-    title = {"e2e": "E2E (real vLLM)", "crosshost": "CROSSHOST (two network namespaces)"}[section]
+    title = _TITLES[section]
     if section in result.get("skipped", {}):
         return ["", *_wrap(f"{title}: skipped: {result['skipped'][section]}", "    ")]
+    if section == "delta":
+        return _delta(result, title)
     body = [
         [r["row"], r["kind"], r["transport"], fmt_bytes(r["bytes"]), fmt_s(r["median_s"]),
          fmt_range(r["min_s"], r["max_s"]), str(len(r["seconds"])),
@@ -299,6 +309,28 @@ def _external(result: dict[str, Any], section: str, notes: Notes) -> list[str]:
     ]  # fmt: skip
     headers = ["row", "kind", "transport", "bytes", "median s", "min-max s", "n", "x baseline", "status"]
     return ["", title, table(headers, body, [False, False, False, True, True, True, True, False, False])]
+
+
+def _delta(result: dict[str, Any], title: str) -> list[str]:
+    """One line per step: the delta=false and delta=true syncs of the same weights side by side."""
+    rows = {r["row"]: r for r in result["delta"]}
+    body = []
+    for r in result["delta"]:
+        full = rows.get(r["baseline"] or "")
+        if full is None or r["status"] != "ok" or full["status"] != "ok":
+            continue
+        link = f"{r['link_gbit']:g} Gbit/s" if r["link_gbit"] else "unshaped"
+        faster = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        body.append(
+            [f"host {r['transport']}" if r["one_host"] else link, f"{r['lr']:g}", r["step"],
+             f"{r['changed_fraction']:.2%}", fmt_bytes(full["wire_bytes"]), fmt_bytes(r["wire_bytes"]),
+             f"{full['wire_bytes'] / max(r['wire_bytes'], 1):.1f}x", fmt_s(full["median_s"]),
+             fmt_s(r["median_s"]), faster, fmt_s(r["encode_s"]), fmt_s(r["rebuild_s"])]
+        )  # fmt: skip
+    headers = ["link", "lr", "step", "changed", "full", "delta", "fewer bytes", "full s", "delta s", "faster",
+               "encode s", "rebuild s"]  # fmt: skip
+    right = [False, True, True, True, True, True, True, True, True, True, True, True]
+    return ["", *_wrap(title), table(headers, body, right)]
 
 
 def _legend(result: dict[str, Any]) -> list[str]:
@@ -341,7 +373,7 @@ def render_table(result: dict[str, Any]) -> str:
         (bool(result["idle"]), lambda: _idle(result, notes)),
         (bool(result["scale"]), lambda: _scale(result, notes)),
     ]
-    for section in ("e2e", "crosshost"):
+    for section in EXTERNAL:
         shown = bool(result.get(section)) or section in result.get("skipped", {})
         sections.append((shown, lambda section=section: _external(result, section, notes)))
     for shown, render in sections:

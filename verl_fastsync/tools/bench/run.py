@@ -14,7 +14,7 @@ from verl_fastsync.tools.bench.baselines import verl_version
 from verl_fastsync.tools.bench.cleanup import run_cleanup_section
 from verl_fastsync.tools.bench.external import run_external_section
 from verl_fastsync.tools.bench.measure import memcpy_seconds
-from verl_fastsync.tools.bench.options import MIB, SCHEMA_VERSION, SECTIONS, BenchOptions
+from verl_fastsync.tools.bench.options import EXTERNAL, MIB, SCHEMA_VERSION, SECTIONS, BenchOptions
 from verl_fastsync.tools.bench.schema import validate_bench_json
 from verl_fastsync.tools.bench.transfer import (
     MEMCPY,
@@ -67,7 +67,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None)
     finally:
         if runner is not None:
             runner.close()
-    for section in ("e2e", "crosshost"):
+    for section in EXTERNAL:
         if section in opts.sections:
             rows, why = run_external_section(section, opts.preset != "full", progress)
             result[section] = rows

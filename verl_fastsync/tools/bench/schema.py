@@ -26,8 +26,11 @@ ROW_FIELDS: dict[str, tuple[type, ...]] = {
     "max_s": (float, int, type(None)),
     "ratio": (float, int, type(None)),
 }
-"""Keys of every row of every section (the keys the ``e2e`` and ``crosshost`` modules return are the
-first eight; the bench adds the last four)."""
+"""Keys of every row of every section (the keys the ``e2e``, ``crosshost`` and ``delta`` modules return
+are the first eight; the bench adds the last four)."""
+
+LATER_SECTIONS = ("delta",)
+"""Sections added within schema version 2: a document of an earlier bench may lack them."""
 
 SECTION_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "cleanup": {"boundary": (str,), "policy": (str,), "gc_ran": (bool, type(None))},
@@ -43,6 +46,16 @@ SECTION_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "scale": {"axis": (str,), "tensor_count": (int,), "bucket_bytes": (int, type(None))},
     "e2e": {},
     "crosshost": {},
+    "delta": {
+        "link_gbit": (float, int),
+        "one_host": (bool,),
+        "lr": (float,),
+        "step": (str,),
+        "changed_fraction": (float, int),
+        "wire_bytes": (int,),
+        "encode_s": (float, int),
+        "rebuild_s": (float, int),
+    },
 }
 
 
@@ -179,7 +192,7 @@ def validate_bench_json(obj: Any) -> None:
     if not isinstance(skipped, dict) or not all(isinstance(v, str) for v in skipped.values()):
         raise BenchSchemaError("skipped must be an object {section: reason}")
     for section in SECTIONS:
-        rows = obj.get(section)
+        rows = obj.get(section, [] if section in LATER_SECTIONS else None)
         if not isinstance(rows, list):
             raise BenchSchemaError(f"{section} must be a list, got {type(rows).__name__}")
         for i, row in enumerate(rows):
