@@ -187,9 +187,9 @@ def delta_flush_bytes(bucket_size: int) -> int:
     receiver rebuilds (and copies into its base) after the last bytes arrive, so the first and last
     posts are on the sync's critical path; smaller posts shorten both. ``delta_bench --pin`` at
     10 Gbit/s, 32 MiB buckets, 8 re-initialised steps each (every value changed: the raw fallback):
-    0.87-0.96x a full sync's speed posting per bucket, 0.96-1.03x per quarter (1/2 and 1/8 measured
-    within noise of 1/4); 1% changed: 1.62-1.77x and 1.72-1.98x. A full sync gains nothing measurable
-    from finer posts (it only packs into the bucket), so it still posts full buckets."""
+    0.87-0.96x a full sync's speed posting per bucket, 0.96-1.03x per quarter (per half bucket
+    0.90-0.98x, per eighth 0.89-1.00x); 1% changed: 1.62-1.77x and 1.72-1.98x. A full sync gains
+    nothing measurable from finer posts (it only packs into the bucket), so it posts full buckets."""
     return max(1, bucket_size // 4)
 
 
