@@ -8,7 +8,7 @@
 #   <outdir>/env.json            python/torch/GPU facts
 #   <outdir>/delta_gpu.json      delta sync's sender and receiver with the weights on the GPU: copy,
 #                                encode and rebuild seconds, bytes, every tensor checked
-#                                (benchmarks/gpu_delta_check.py)
+#                                and a profile of one more encode and rebuild (benchmarks/gpu_delta_check.py)
 #   <outdir>/cleanup.json        cleanup A/B on the real CUDA caching allocator (3M-object heap):
 #                                light vs adaptive vs aggressive (= verl 0.9.0), bytes freed, seconds,
 #                                GC objects (benchmarks/gpu_cleanup_check.py)
@@ -129,7 +129,7 @@ print(json.dumps(info, indent=2))
 EOF
 
 # 0. delta sync's two sides with the trainer's weights on the GPU (~1 min: 1 GiB of bf16, 2 lrs x 4 syncs)
-step delta_gpu 150 "$PY" "$HERE/gpu_delta_check.py" --out "$OUT/delta_gpu.json" --gib "$DELTA_GIB" --steps 3
+step delta_gpu 150 "$PY" "$HERE/gpu_delta_check.py" --out "$OUT/delta_gpu.json" --gib "$DELTA_GIB" --steps 3 --profile
 
 # 1. cleanup A/B on the real CUDA caching allocator (~1 min: 3M-object heap, 3 repeats)
 step cleanup 150 "$PY" "$HERE/gpu_cleanup_check.py" --out "$OUT/cleanup.json" \

@@ -15,17 +15,25 @@ against the trainer's, and the two encoders' wire bytes against each other. From
 derives what bounds a sync on a 10 Gbit/s link (a derivation, not a measured sync: this machine has
 one GPU and no second host).
 
-Run: ``python benchmarks/gpu_delta_check.py --out delta_gpu.json [--gib 1] [--steps 3]``; without
-CUDA it runs on the CPU (a dry run of the script).
+With ``--profile``, one more step of the first learning rate is synced by the ``device_compare`` pair
+under ``torch.profiler`` (CPU and CUDA activity) and ``cProfile``; the top entries of each go into the
+JSON (``profile``), so a single device run shows where the encode's and the rebuild's seconds go
+(that row's seconds include the profilers' overhead and are not used elsewhere).
+
+Run: ``python benchmarks/gpu_delta_check.py --out delta_gpu.json [--gib 1] [--steps 3] [--profile]``;
+without CUDA it runs on the CPU (a dry run of the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import xxhash
@@ -35,22 +43,61 @@ from verl_fastsync.delta.codec import encode
 from verl_fastsync.delta.stream import DeltaDecoder, DeltaEncoder
 
 LINK_BYTES_S = 10e9 / 8  # 10 Gbit/s
+TOP = 20
+T = TypeVar("T")
+
+
+def _profiled(call: Callable[[], T]) -> tuple[T, dict[str, Any]]:
+    """``call()`` under torch's profiler and cProfile: its result and the top :data:`TOP` entries of each
+    (torch ops and kernels by self time on the device where there is one, else on the CPU; Python
+    functions by their own time)."""
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    python = cProfile.Profile()
+    with torch.profiler.profile(activities=activities) as prof:
+        python.enable()
+        try:
+            out = call()
+        finally:
+            python.disable()
+        if cuda:
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=TOP)
+    stats = pstats.Stats(python)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:TOP]  # type: ignore[attr-defined]
+    functions = [
+        {"function": f"{path}:{line}({name})", "calls": calls, "own_s": own, "cumulative_s": cumulative}
+        for (path, line, name), (_, calls, own, cumulative, _) in rows
+    ]
+    return out, {"torch": table.splitlines(), "python": functions}
 
 
 def _sync(encoder: DeltaEncoder, decoder: DeltaDecoder, weights: list[tuple[str, torch.Tensor]], epoch: str,
-          device: torch.device) -> dict[str, Any]:  # fmt: skip
+          device: torch.device, profile: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One sync of ``weights``; with ``profile`` (a dict) the encode and the rebuild run under the
+    profilers (:func:`_profiled`) and their top entries go into it."""
     against = encoder.epoch if encoder.epoch == decoder.epoch else None
     encoder.begin(against, epoch)
     decoder.begin(against, epoch)
+
+    def run(call: Callable[[], T], what: str) -> T:
+        if profile is None:
+            return call()
+        out, profile[what] = _profiled(call)
+        return out
+
     start = time.perf_counter()
-    wire = [encoder.encode(name, tensor) for name, tensor in weights]
+    wire = run(lambda: [encoder.encode(name, tensor) for name, tensor in weights], "encode")
     encode_s = time.perf_counter() - start
     wire_digest = xxhash.xxh3_64()
     for name, tensor in wire:
         wire_digest.update(name.encode())
         wire_digest.update(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data)
     start = time.perf_counter()
-    got = [decoder.decode(name, tensor) for name, tensor in wire]
+    got = run(lambda: [decoder.decode(name, tensor) for name, tensor in wire], "rebuild")
     rebuild_s = time.perf_counter() - start
     encoder.commit()
     decoder.commit()
@@ -87,6 +134,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
+    parser.add_argument("--profile", action="store_true", help="profile one more device_compare sync")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layers = max(1, round(args.gib * 2**30 / (2 * 8 * args.width * args.width)))  # blocks
@@ -153,6 +201,21 @@ def main() -> int:
                 raise AssertionError(f"lr {lr} step {step}: device and host compares sent different bytes")
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
+            with open(args.out, "w") as out:
+                json.dump(result, out, indent=1)
+        if args.profile and lr == args.lrs[0]:  # one more step, synced by the device_compare pair only
+            batch = torch.randn(16, args.width, device=device)
+            loss = torch.nn.functional.mse_loss(model(batch), torch.randn_like(batch))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            encoder, decoder = sides["device_compare"]
+            profile: dict[str, Any] = {"lr": lr, "step": args.steps + 1}
+            profile["sync"] = _sync(
+                encoder, decoder, _bf16_weights(model), f"e{lr}-profiled", device, profile
+            )
+            result["profile"] = profile
+            print(json.dumps({"profile": profile["sync"]}), flush=True)
             with open(args.out, "w") as out:
                 json.dump(result, out, indent=1)
         del model, optimizer, sides, previous
