@@ -323,23 +323,41 @@ def test_import_hook_ignores_only_the_named_warning() -> None:
 
 
 def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) -> None:
-    """``delta=true`` keeps the model's bytes on the sending rank and every rollout rank: doctor
-    reads the size from a local checkpoint and fails when this host cannot hold it."""
+    """``delta=true`` keeps the model's bytes on the sending rank and every rollout rank, and verl puts
+    a receiver on every rollout GPU: doctor reads the size from a local checkpoint and fails when this
+    host cannot hold a rollout host's bases (one per rollout GPU, each with its undo journal)."""
     from verl_fastsync.tools.doctor_checks import _delta_memory
 
     (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 3000)
     (tmp_path / "model-00002.safetensors").write_bytes(b"\0" * 2000)
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 5000)  # the same weights again: not counted
-    overrides = [f"actor_rollout_ref.model.path={tmp_path}"]
-    problem, note = _delta_memory(overrides, available=4000)
+    model = f"actor_rollout_ref.model.path={tmp_path}"
+    one_gpu = [model, "trainer.n_gpus_per_node=1"]
+    problem, note = _delta_memory(one_gpu, available=4000)
     assert problem is not None and "needs about 0.00 GiB" in problem and "set delta=false" in problem
     assert str(tmp_path) in note
-    problem, _ = _delta_memory(overrides, available=5500)  # the base fits, its undo journal does not
+    problem, _ = _delta_memory(one_gpu, available=5500)  # the base fits, its undo journal does not
     assert problem is not None and "undo journal" in problem
-    problem, note = _delta_memory(overrides, available=6000)
+    problem, note = _delta_memory(one_gpu, available=5625)  # 5000 + 625
     assert problem is None and "every rollout rank" in note and "undo journal" in note
+    # verl's default: 8 rollout GPUs per host, each rank its own base
+    problem, note = _delta_memory([model], available=6000)
+    assert problem is not None and "8 rollout ranks" in problem and "verl's default" in problem, problem
+    assert _delta_memory([model], available=8 * 5625)[0] is None
+    assert _delta_memory([model], available=8 * 5625 - 1)[0] is not None
+    # rollout.n_gpus_per_node wins over the trainer's (verl's own fallback order), the last override wins
+    four = [model, "trainer.n_gpus_per_node=8", "+actor_rollout_ref.rollout.n_gpus_per_node=4"]
+    problem, note = _delta_memory(four, available=4 * 5625)
+    assert problem is None and "4 (actor_rollout_ref.rollout.n_gpus_per_node)" in note, note
+    problem, _ = _delta_memory(
+        [model, "actor_rollout_ref.rollout.n_gpus_per_node=4", "actor_rollout_ref.rollout.n_gpus_per_node=5"],
+        available=4 * 5625,
+    )
+    assert problem is not None and "5 rollout ranks" in problem
     problem, note = _delta_memory(["+trainer.n_gpus_per_node=8"], available=6000)
     assert problem is None and "give actor_rollout_ref.model.path" in note
+    assert "8 (trainer.n_gpus_per_node)" in note, note
+    overrides = [model, "trainer.n_gpus_per_node=1"]
     report = doctor.diagnose([f"+{ENGINE}.delta=true", *overrides])
     assert any("delta=true keeps the model's bytes" in n for n in report["notes"]), report["notes"]
     one_host = [n for n in report["notes"] if "transport=shm" in n]  # shm is the default transport

@@ -218,36 +218,75 @@ def _checkpoint_bytes(path: str) -> int | None:
     return sum(os.path.getsize(os.path.join(path, f)) for f in preferred)
 
 
+ROLLOUT_GPUS_KEY = "actor_rollout_ref.rollout.n_gpus_per_node"
+TRAINER_GPUS_KEY = "trainer.n_gpus_per_node"
+VERL_GPUS_PER_NODE = 8
+"""verl's default for both keys (0.7.1-0.9.1): ``rollout.n_gpus_per_node`` is
+``${oc.select:trainer.n_gpus_per_node,8}``."""
+
+
+def _override(overrides: Sequence[str], key: str) -> str | None:
+    """The value ``overrides`` give ``key`` (the last one, as Hydra takes it), or None."""
+    found = None
+    for raw in overrides:
+        name, sep, value = raw.lstrip("+").partition("=")
+        if sep and name == key:
+            found = value
+    return found
+
+
+def rollout_ranks_per_host(overrides: Sequence[str]) -> tuple[int, str]:
+    """How many rollout ranks one rollout host runs, and where that number comes from: verl puts a
+    checkpoint-engine receiver (``CheckpointEngineWorker``) on every rollout GPU, and each receives
+    the whole model. ``rollout.n_gpus_per_node``, else ``trainer.n_gpus_per_node`` (verl's own
+    fallback), else verl's default of 8."""
+    for key in (ROLLOUT_GPUS_KEY, TRAINER_GPUS_KEY):
+        value = _override(overrides, key)
+        if value is not None:
+            try:
+                count = int(value)
+            except ValueError:
+                continue  # (an interpolation: verl resolves it; doctor falls back as verl would)
+            if count > 0:
+                return count, key
+    return VERL_GPUS_PER_NODE, f"verl's default {ROLLOUT_GPUS_KEY}"
+
+
 def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tuple[str | None, str]:
     """(problem or None, note) for ``engine_kwargs.fastsync.delta=true``: the base costs the model's
-    bytes in host memory on the sending trainer rank and on every rollout rank. The model's size is
-    read from the checkpoint files at ``actor_rollout_ref.model.path`` when that is a local
-    directory; this host's ``MemAvailable`` must hold it and the undo journal of a delta sync (an
-    eighth more; a problem if it cannot)."""
+    bytes in host memory on the sending trainer rank and on every rollout rank, so a rollout host
+    keeps one per rollout GPU (:func:`rollout_ranks_per_host`). The model's size is read from the
+    checkpoint files at ``actor_rollout_ref.model.path`` when that is a local directory; this host's
+    ``MemAvailable`` must hold a rollout host's bases and their undo journals during a delta sync
+    (an eighth more each; a problem if it cannot: the hosts of one cluster are usually alike)."""
     available = host_memory_available() if available is None else available
-    path = next(
-        (o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == MODEL_PATH_KEY), None
-    )
+    path = _override(overrides, MODEL_PATH_KEY)
     size = _checkpoint_bytes(path) if path else None
+    ranks, source = rollout_ranks_per_host(overrides)
     gib = 1 << 30
     have = f"{available / gib:.1f} GiB available here"
+    per_host = f"a rollout host keeps one per rollout GPU: {ranks} ({source})"
     if size is None:
         return None, (
             f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes (as synced) in host memory on the "
-            f"sending trainer rank and on every rollout rank ({have}; give {MODEL_PATH_KEY} as a local "
-            "directory to check it against the checkpoint's size)"
+            f"sending trainer rank and on every rollout rank; {per_host}; {have}; give "
+            f"{MODEL_PATH_KEY} as a local directory to check it against the checkpoint's size"
         )
+    one = size + size // 8  # a base, and its undo journal during a delta sync
+    need = ranks * one
     note = (
         f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes in host memory on the sending trainer "
-        f"rank and on every rollout rank: about {size / gib:.2f} GiB (the checkpoint at {path}), up to "
-        f"an eighth more during a delta sync (its undo journal), {have}"
+        f"rank and on every rollout rank: about {size / gib:.2f} GiB each (the checkpoint at {path}), "
+        f"up to an eighth more during a delta sync (its undo journal); {per_host}, about "
+        f"{need / gib:.2f} GiB; {have}"
     )
-    need = size + size // 8  # the base, and its undo journal during a delta sync
     if need > available:
         return (
-            f"{ENGINE_KEY_PREFIX}.delta=true: the base needs about {need / gib:.2f} GiB of host memory "
-            f"(the checkpoint at {path}, plus an eighth for the undo journal during a delta sync) and "
-            f"this host has {available / gib:.2f} GiB available; set delta=false or free host memory",
+            f"{ENGINE_KEY_PREFIX}.delta=true: a rollout host needs about {need / gib:.2f} GiB of host "
+            f"memory for its bases ({ranks} rollout ranks ({source}) x {one / gib:.2f} GiB: the "
+            f"checkpoint at {path} plus an eighth for the undo journal during a delta sync) and this "
+            f"host has {available / gib:.2f} GiB available; set delta=false, run fewer rollout GPUs per "
+            "host, or free host memory",
             note,
         )
     return None, note
