@@ -257,8 +257,9 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
     bytes in host memory on the sending trainer rank and on every rollout rank, so a rollout host
     keeps one per rollout GPU (:func:`rollout_ranks_per_host`). The model's size is read from the
     checkpoint files at ``actor_rollout_ref.model.path`` when that is a local directory; this host's
-    ``MemAvailable`` must hold a rollout host's bases and their undo journals during a delta sync
-    (an eighth more each; a problem if it cannot: the hosts of one cluster are usually alike)."""
+    ``MemAvailable`` (or its memory cgroup's room: a container's limit) must hold a rollout host's
+    bases and their undo journals during a delta sync (an eighth more each; a problem if it cannot:
+    the hosts of one cluster are usually alike)."""
     available = host_memory_available() if available is None else available
     path = _override(overrides, MODEL_PATH_KEY)
     size = _checkpoint_bytes(path) if path else None

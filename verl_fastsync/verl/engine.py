@@ -22,8 +22,9 @@ Select it with::
     16 MiB buckets, a 2 GiB model 128 MiB, models from 8 GiB up 512 MiB.
   - memory: at most :data:`AUTO_FRACTION` (5%) of the smallest free memory among the participating
     ranks (trainer rank 0 and every rollout rank; device memory for device transports, host
-    ``MemAvailable`` for CPU ones), rounded down to a MiB. When that is below the floor, the
-    topology step fails naming the rank.
+    ``MemAvailable`` for CPU ones, or what the process's memory cgroup still allows where that is
+    less), rounded down to a MiB. When that is below the floor, the topology step fails naming the
+    rank.
 
   Each side holds two buckets for the engine's lifetime (shm keeps its segments between syncs).
 * ``timeout_s`` (default 600): limit of every blocking wait; on expiry the error names the peer,
