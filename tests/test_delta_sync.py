@@ -10,12 +10,15 @@ API beyond the engine's; the others run with the default release."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
 import torch
+from _cgroups import memory_cgroup  # type: ignore[import-not-found]
 from _transport_harness import Cluster, TensorSpec, expected_digests, synthetic_model  # type: ignore[import-not-found]
 
+from verl_fastsync.delta.room import RESERVE_MIN
 from verl_fastsync.transports.sending import delta_flush_bytes
 
 CPU_TRANSPORTS = ["shm", "gloo", "nixl"]
@@ -137,3 +140,39 @@ def test_delta_with_every_trainer_rank_sending() -> None:
             if step:  # each lane posts a bucket per bucket of its share's model bytes, not per delta bucket
                 buckets = sum(m["fastsync/transfer/buckets"] for m in sent)
                 assert buckets > 3 * sum(m["fastsync/transfer/bytes"] for m in sent) / BUCKET, sent
+
+
+@pytest.mark.timeout(900)
+def test_a_rollout_rank_without_room_for_its_base_turns_delta_off_for_every_rank() -> None:
+    """Rollout rank 1 runs in a real memory cgroup (a container's limit) that leaves it a few MiB
+    beyond the 4 GiB it must keep free: in the first sync it finds no room for the whole base, its
+    consumer still gets every byte, and from the next sync on every rank runs full syncs and keeps
+    no base (told by the topology, with the reason); exact every time."""
+    model = [TensorSpec(f"big{i}.w", (1 << 20,), "bfloat16") for i in range(8)]  # 16 MiB, 2 MiB tensors
+    with memory_cgroup(RESERVE_MIN + (6 << 20)) as (directory, _version):
+        with _cluster("gloo", bucket_size=1 << 20) as cluster:
+            procs = os.path.join(directory, "cgroup.procs")
+            join = f"import os\nwith open({procs!r}, 'w') as fh:\n    fh.write(str(os.getpid()))"
+            cluster.post(2, "exec", join)  # rollout rank 1 (0 is the trainer)
+            cluster.wait(2)
+            for step in range(3):
+                result = cluster.sync(model, 0, {"step": step})
+                want = sorted(expected_digests(model, 0, step))
+                for receiver in result["receivers"]:
+                    assert sorted(tuple(d) for d in receiver["digests"]) == want, f"step {step}"
+                [sent] = [s["metrics"] for s in result["senders"]]
+                got = [r["metrics"] for r in result["receivers"]]
+                off = [m["fastsync/transfer/delta_off"] for m in (sent, *got)]
+                assert off == ([0.0, 0.0, 1.0] if step == 0 else [1.0, 1.0, 1.0]), (step, off)
+                assert all(m["fastsync/transfer/delta_sync"] == 0.0 for m in (sent, *got)), step
+                assert sent["fastsync/transfer/bytes"] == 16 << 20  # every byte went, as itself
+            read = "side = worker.engine.delta_encoder or worker.engine.delta_decoder\n"
+            read += "result = (side.off, side.base_bytes)"
+            reasons = []
+            for rank in range(3):
+                cluster.post(rank, "exec", read)
+                reason, base_bytes = cluster.wait(rank)
+                assert base_bytes == 0 and reason, (rank, reason, base_bytes)
+                reasons.append(reason)
+            assert reasons[2].startswith("receiver: keeping the delta base of") and "4.0 GiB" in reasons[2]
+            assert reasons[0] == reasons[1] == f"rollout rank 1, {reasons[2]}", reasons

@@ -6,72 +6,25 @@ without a cgroup namespace, v1, nested limits), since a test machine has only on
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _cgroups import memory_cgroup  # type: ignore[import-not-found]
 
 from verl_fastsync import limits
 
 MIB = 1 << 20
 
 
-def _own_memory_cgroup() -> tuple[str, int] | None:
-    """The directory of this process's memory cgroup and its version, where cgroupfs shows it."""
-    groups = [line.rstrip("\n").split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
-    for fields in (line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines()):
-        sep = fields.index("-")
-        root, mountpoint, fstype, options = fields[3], fields[4], fields[sep + 1], fields[sep + 3]
-        if fstype == "cgroup" and "memory" in options.split(","):
-            path = next((g[2] for g in groups if "memory" in g[1].split(",")), None)
-            version = 1
-        elif fstype == "cgroup2":
-            path = next((g[2] for g in groups if g[0] == "0" and g[1] == ""), None)
-            version = 2
-        else:
-            continue
-        if path is None or not path.startswith(root):
-            continue
-        directory = os.path.join(mountpoint, path[len(root) :].lstrip("/"))
-        if version == 2 and "memory" not in Path(directory, "cgroup.controllers").read_text().split():
-            continue  # (a hybrid host: memory is a v1 controller)
-        return directory, version
-    return None
-
-
 @pytest.fixture
 def limited_cgroup() -> Iterator[tuple[str, int, int]]:
     """A new child of this process's memory cgroup limited to 512 MiB: (directory, version, limit)."""
-    own = _own_memory_cgroup()
-    if own is None:
-        pytest.skip("no memory cgroup visible in /proc/self/mountinfo")
-    parent, version = own
-    directory = os.path.join(parent, f"fastsync-test-{uuid.uuid4().hex[:8]}")
-    limit = 512 * MIB
-    try:
-        os.mkdir(directory)
-    except OSError as exc:
-        pytest.skip(f"cannot create a memory cgroup here ({exc})")
-    try:
-        name = "memory.max" if version == 2 else "memory.limit_in_bytes"
-        try:
-            Path(directory, name).write_text(str(limit))
-        except OSError as exc:  # (v2: the parent does not delegate the memory controller)
-            pytest.skip(f"cannot limit a memory cgroup here ({exc})")
-        yield directory, version, limit
-    finally:
-        for _ in range(50):  # the child has exited; the kernel may take a moment to empty the group
-            try:
-                os.rmdir(directory)
-                break
-            except OSError:
-                time.sleep(0.1)
+    with memory_cgroup(512 * MIB) as (directory, version):
+        yield directory, version, 512 * MIB
 
 
 def test_a_process_in_a_limited_cgroup_sees_the_limit_not_the_host(

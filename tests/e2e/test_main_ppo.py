@@ -186,6 +186,7 @@ def test_separate_async_main_ppo_with_delta_sync(workdir: Path) -> None:
         assert "fastsync/transfer/delta_sync" in keys, keys
         assert data["fastsync/transfer/delta_sync"] == 1.0, data  # diffed, not full
         assert data["fastsync/transfer/delta_full_syncs"] == 1.0, data  # the first sync only
+        assert data["fastsync/transfer/delta_off"] == 0.0, data  # every side had room for its base
         assert data["fastsync/transfer/delta_model_bytes"] == total, (data, total)
         assert data["fastsync/transfer/tensors"] == tensors
         assert data["fastsync/transfer/bytes"] == data["fastsync/transfer/delta_wire_bytes"], data

@@ -34,38 +34,38 @@ lends the consumer a view of the base it rebuilt; a base the consumer still hold
 written again (the next sync rebuilds that tensor into new memory and drops the old one), a base it
 let go of is rebuilt in place. So the consumer may hold what it was given for as long as it likes. A
 consumer that writes into a yielded tensor changes the base; the next delta sync then fails its
-digest check (naming the tensor) and the sync after it is full.
+digest check (naming the tensor) and the sync after it is full. A side whose host has no room for
+more base bytes turns delta off for the run (:mod:`~verl_fastsync.delta.side`): from then on a tensor
+passes through it as it is, and no base is kept.
 
 Imports torch, numpy and the other ``verl_fastsync.delta`` modules only (no verl, no transport).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import struct
-import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Final
 
 import numpy as np
 import torch
 
-from verl_fastsync.delta.bases import UNDO_FRACTION, Base, UndoJournal
+from verl_fastsync.delta.bases import UNDO_FRACTION, Base
 from verl_fastsync.delta.codec import (
     DEFAULT_MAX_RATIO,
     HEADER,
     Delta,
     DeltaError,
     Kind,
-    Patch,
     as_bytes,
     decode,
     decode_in_place,
     encode,
 )
 from verl_fastsync.delta.device import Staging, encode_on_device, host_bytes, pinned_copy
+from verl_fastsync.delta.room import Room
+from verl_fastsync.delta.side import DeltaStats, DeltaSyncError, Side
 from verl_fastsync.io.lending import lend
 
 __all__ = [
@@ -89,44 +89,6 @@ _VERSION: Final = 1
 _WIDTHS: Final = (1, 2, 4, 8)
 _SPARSE_COUNT: Final = struct.Struct("<Q")
 """A sparse encoding's payload starts with its count of changed elements."""
-
-
-class DeltaSyncError(DeltaError):
-    """A delta sync cannot go on: a receiver lacks the base a delta names, or the rebuilt bytes are not
-    the sender's. The sync fails; the next one is full."""
-
-
-@dataclasses.dataclass
-class DeltaStats:
-    """One side's delta figures for one sync (``fastsync/transfer/delta_*`` metrics)."""
-
-    delta_sync: bool = False
-    """The sync diffed against a base (else: full)."""
-    model_bytes: int = 0
-    """Bytes of the tensors (what a full sync moves)."""
-    wire_bytes: int = 0
-    """Bytes of what went on the wire instead."""
-    delta_tensors: int = 0
-    raw_tensors: int = 0
-    changed_elements: int = 0
-    """Elements that differ from the base, over the tensors sent as deltas."""
-    compared_elements: int = 0
-    """Elements of the tensors sent as deltas."""
-    codec_s: float = 0.0
-    """Seconds this side spent encoding (sender) or rebuilding (receiver), base copies included."""
-
-    def as_metrics(self, full_syncs: int) -> dict[str, float]:
-        changed = self.changed_elements / self.compared_elements if self.compared_elements else 0.0
-        return {
-            "fastsync/transfer/delta_sync": float(self.delta_sync),
-            "fastsync/transfer/delta_full_syncs": float(full_syncs),
-            "fastsync/transfer/delta_model_bytes": float(self.model_bytes),
-            "fastsync/transfer/delta_wire_bytes": float(self.wire_bytes),
-            "fastsync/transfer/delta_tensors": float(self.delta_tensors),
-            "fastsync/transfer/delta_raw_tensors": float(self.raw_tensors),
-            "fastsync/transfer/delta_changed_fraction": changed,
-            "fastsync/transfer/delta_codec_s": self.codec_s,
-        }
 
 
 def _width(tensor: torch.Tensor) -> int:
@@ -162,131 +124,20 @@ def _unpack_header(data: np.ndarray, peer: str) -> tuple[torch.dtype, tuple[int,
     return dtype, tuple(int(d) for d in shape), at + (-at % 8)
 
 
-class _Side:
-    """What the sender and a receiver share: the base, its epoch, the sync's bookkeeping."""
-
-    role = "side"
-
-    def __init__(self) -> None:
-        self.base: dict[str, Base] = {}
-        self.epoch: str | None = None
-        """Epoch of the base (None: no usable base)."""
-        self.full_syncs = 0
-        """Full syncs this side ran (the first one included)."""
-        self.stats = DeltaStats()
-        self.who = "delta sync"
-        self.rolled_back = 0
-        """Failed delta syncs whose base was put back at the epoch they diffed against."""
-        self._against: str | None = None
-        self._next: str | None = None
-        self._open = False
-        self._journal: UndoJournal | None = None
-        self._seen: set[str] = set()
-
-    def settle(self) -> None:
-        """A sync that began and did not commit failed: put the base back at the epoch it diffed
-        against (its journal is whole), or leave this side without an epoch. The engine calls this
-        before it reports the epoch for the next sync; :meth:`begin` calls it too."""
-        if not self._open:
-            return
-        self._open = False
-        journal, self._journal = self._journal, None
-        if journal is not None:
-            journal.roll_back(self.base)
-            self.epoch = self._against
-            self.rolled_back += 1
-        self._seen = set()
-
-    def begin(self, against: str | None, next_epoch: str, who: str = "delta sync") -> None:
-        """A sync starts: diff against the base of epoch ``against`` (None: a full sync), and name the
-        base it leaves ``next_epoch``."""
-        self.settle()
-        if against is not None and against != self.epoch:
-            raise DeltaSyncError(
-                f"{who}: the topology says diff against base {against}, this {self.role} holds "
-                f"{self.epoch or 'none'} (was the topology built from stale metadata?)"
-            )
-        self._against, self._next, self.who = against, next_epoch, who
-        self.epoch = None  # from here the base changes: usable again only after commit() or settle()
-        self._seen = set()
-        self._open = True
-        self._journal = UndoJournal(int(UNDO_FRACTION * self.base_bytes)) if against is not None else None
-        self.stats = DeltaStats(delta_sync=against is not None)
-        if against is None:
-            self.full_syncs += 1
-
-    def _check_open(self) -> None:
-        if not self._open:
-            raise DeltaSyncError(f"{self.who}: no sync is running (begin() first; a failed sync ended)")
-
-    def _journal_patch(self, name: str, patch: Patch) -> None:
-        journal = self._journal
-        if journal is not None and not journal.room(patch.nbytes):
-            self._journal = None  # past the limit: a failure from here leaves no epoch
-        elif journal is not None:
-            journal.patches[name] = patch
-
-    @contextlib.contextmanager
-    def _journaled(self) -> Iterator[None]:
-        """A block that changes the base: if it raises, what it did may be in no journal, so the
-        journal is dropped (a failure then leaves no epoch rather than a wrong one)."""
-        try:
-            yield
-        except BaseException:
-            self._journal = None
-            raise
-
-    def _journal_replaced(self, name: str, old: Base | None) -> bool:
-        """Keeps ``old`` (replaced under ``name``) in the journal if it fits; False when there is no
-        journal (any more)."""
-        journal = self._journal
-        if journal is None:
-            return False
-        if not journal.room(0 if old is None else old.data.numel()):
-            self._journal = None
-            return False
-        journal.replaced[name] = old
-        return True
-
-    def _take(self, name: str) -> None:
-        self._check_open()
-        if name in self._seen:
-            raise DeltaSyncError(f"{self.who}: tensor {name!r} came twice in one sync")
-        self._seen.add(name)
-
-    def commit(self) -> None:
-        """This side's part of the sync ended cleanly: the base is the new epoch's; tensors not sent
-        in it leave the base."""
-        self._check_open()
-        for name in set(self.base) - self._seen:
-            del self.base[name]
-        self._seen = set()
-        self._open, self._journal = False, None
-        self.epoch = self._next
-
-    @contextlib.contextmanager
-    def _timed(self) -> Iterator[None]:
-        """Adds the seconds of the block to this sync's :attr:`DeltaStats.codec_s`."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.stats.codec_s += time.perf_counter() - start
-
-    @property
-    def base_bytes(self) -> int:
-        return sum(entry.data.numel() for entry in self.base.values())
-
-
-class DeltaEncoder(_Side):
+class DeltaEncoder(Side):
     """The sender's side: its base and epoch. Per sync: :meth:`begin`, :meth:`encode` for each tensor
     (or :meth:`stream`), then :meth:`commit` when the sync ended cleanly (else nothing: it stays
     without an epoch and the next sync is full)."""
 
     role = "sender"
 
-    def __init__(self, max_ratio: float = DEFAULT_MAX_RATIO, compare_on_device: bool | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        max_ratio: float = DEFAULT_MAX_RATIO,
+        compare_on_device: bool | None = None,
+        room: Room | None = None,
+    ) -> None:
+        super().__init__(room)
         self.max_ratio = max_ratio
         self.compare_on_device = compare_on_device
         """Compare a tensor with its base on the tensor's device (:func:`encode_on_device`) rather than
@@ -309,6 +160,8 @@ class DeltaEncoder(_Side):
         nbytes = tensor.numel() * tensor.element_size()
         self.stats.model_bytes += nbytes
         held = self.base.get(name)
+        if self.passing:
+            return self._raw(name, tensor)
         if (
             self._against is None
             or held is None
@@ -317,6 +170,9 @@ class DeltaEncoder(_Side):
             or held.data.numel() != nbytes
         ):
             self._journal_replaced(name, held)
+            if not self.make_room(name, nbytes - (0 if held is None else held.data.numel())):
+                self.base.pop(name, None)  # (delta is off: no base is kept from here)
+                return self._raw(name, tensor)
             self.base[name] = Base(tensor.dtype, shape, self._new_base(tensor))
             return self._raw(name, tensor)
         width = _width(tensor)
@@ -407,7 +263,7 @@ class DeltaEncoder(_Side):
                 del item
 
 
-class DeltaDecoder(_Side):
+class DeltaDecoder(Side):
     """A receiver's side: its base and epoch. Per sync: :meth:`begin`, :meth:`decode` for each
     received tensor, :meth:`commit` when the stream ended cleanly."""
 
@@ -424,11 +280,22 @@ class DeltaDecoder(_Side):
         stats.wire_bytes += received.numel() * received.element_size()
         if not name.startswith(DELTA_PREFIX):
             self._take(name)
+            if self.passing:  # (delta is off: no base is kept, the tensor goes on as it came)
+                self.base.pop(name, None)
+                stats.raw_tensors += 1
+                stats.model_bytes += received.numel() * received.element_size()
+                return name, received
             data, copied = host_bytes(received)
             held = self.base.get(name)
             reuse = held is not None and held.writable() and held.data.numel() == data.numel()
             if self._journal is not None and self._journal_replaced(name, held):
                 reuse = False  # the journal keeps the old entry: the new bytes go to new memory
+            grows = data.numel() - (0 if held is None else held.data.numel())
+            if not reuse and not self.make_room(name, grows):
+                self.base.pop(name, None)
+                stats.raw_tensors += 1
+                stats.model_bytes += data.numel()
+                return name, received
             if reuse and held is not None:
                 held.data.copy_(data)  # the consumer let go of the last one: reuse its memory
                 data = held.data

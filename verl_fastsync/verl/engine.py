@@ -54,7 +54,8 @@ Select it with::
   (``fastsync/transfer/delta_full_syncs`` counts them). A delta sync that fails puts every side's
   base back at the epoch it diffed against (an undo journal of at most an eighth of the base), so
   the next sync diffs again; only a failed sync whose journal was dropped is followed by a full one.
-  Receivers yield host tensors.
+  Receivers yield host tensors. A side whose host cannot hold its base turns delta off for the run
+  on every side (:mod:`verl_fastsync.delta.side`; ``fastsync/transfer/delta_off``).
 
 ``send_weights`` returns ``fastsync/transfer/*`` metrics (bytes, buckets, chunks, tensors, seconds,
 gbps, bucket_size, peak_extra_bytes_sender); the receiver's side is in ``last_metrics`` after
@@ -232,8 +233,9 @@ class FastsyncCheckpointEngine(CheckpointEngine):
                 self.delta_encoder = DeltaEncoder()
             else:
                 self.delta_decoder = DeltaDecoder()
-        self._delta_plan: tuple[str | None, str] | None = None
-        """This sync's (base epoch to diff against or None for a full sync, the next epoch)."""
+        self._delta_plan: tuple[str | None, str, str | None] | None = None
+        """This sync's (base epoch to diff against or None for a full sync, the next epoch, why delta
+        is off for the run or None)."""
         self.last_metrics: dict[str, float] = {}
         self.model_bytes: int | None = None
         """Bytes trainer rank 0 sent in the last sync (sizes ``bucket_bytes=auto``)."""
@@ -250,7 +252,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             "bucket_size": self.bucket_size,
             "free_bytes": free_memory_bytes(self._buffer_device()) if self.bucket_size is None else None,
             "model_bytes": self.model_bytes,
-            "delta": {"epoch": self._delta_epoch()} if self.delta else None,
+            "delta": {"epoch": self._delta_epoch(), "off": self._delta_off()} if self.delta else None,
             "transport_meta": self.transport.prepare(),
         }
 
@@ -268,6 +270,10 @@ class FastsyncCheckpointEngine(CheckpointEngine):
                 side.epoch,
             )
         return side.epoch
+
+    def _delta_off(self) -> str | None:
+        side = self.delta_encoder or self.delta_decoder
+        return None if side is None else side.off
 
     def _buffer_device(self) -> str:
         """Where this rank's bucket buffers live (``auto`` sizes against that memory)."""
@@ -326,11 +332,14 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             raise ValueError("fastsync: ranks disagree on engine_kwargs.fastsync.delta")
         if deltas.pop():
             sending = [r for r, lane in enumerate(actor.get("lane", [0])) if lane >= 0]
-            epochs = {metadata[r]["delta"].get("epoch") for r in sending}
-            epochs |= {m["delta"].get("epoch") for m in metadata[actor_world_size:]}
+            sides = [(f"trainer rank {r}", metadata[r]["delta"]) for r in sending]
+            sides += [(f"rollout rank {r}", m["delta"]) for r, m in enumerate(metadata[actor_world_size:])]
+            epochs = {side.get("epoch") for _, side in sides}
             # diff only when every sender and every receiver holds the same base; else a full sync
             against = epochs.pop() if len(epochs) == 1 else None
-            plan = [against, uuid.uuid4().hex]
+            # a side with no room for its base turns delta off for everybody (each drops its base)
+            off = next((f"{label}, {side['off']}" for label, side in sides if side.get("off")), None)
+            plan = [None if off else against, uuid.uuid4().hex, off]
             actor["delta_plan"] = [plan] * actor_world_size
             rollout["delta_plan"] = [plan] * rollout_world_size
         return actor, rollout
@@ -338,7 +347,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
     def init_process_group(self, **kwargs: Any) -> None:
         self._receiving = None
         plan = kwargs.pop("delta_plan", None)
-        self._delta_plan = (plan[0], str(plan[1])) if plan else None
+        self._delta_plan = (plan[0], str(plan[1]), plan[2] if len(plan) > 2 else None) if plan else None
         if self.delta and self._delta_plan is None:
             raise TransportError("fastsync: delta=true but the topology carries no delta_plan")
         self.transport.init_process_group(**kwargs)
@@ -371,7 +380,8 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         encoder = self.delta_encoder
         flushed = None
         if encoder is not None and self._delta_plan is not None:
-            encoder.begin(*self._delta_plan)
+            against, following, off = self._delta_plan
+            encoder.begin(against, following, off=off)
             if isinstance(self.transport, LanesTransport):
                 self.transport.encode_item = encoder.encode  # after the plan: each sender its share
             elif isinstance(self.transport, SendingTransport):
@@ -403,7 +413,8 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         decode = None
         if decoder is not None and self._delta_plan is not None:
             rank = getattr(self.transport, "rank", "?")
-            decoder.begin(*self._delta_plan, who=f"delta sync, rollout rank {rank}")
+            against, following, off = self._delta_plan
+            decoder.begin(against, following, who=f"delta sync, rollout rank {rank}", off=off)
             if isinstance(self.transport, LanesTransport):
                 self.transport.decode_item = decoder.decode  # before the lanes' exactly-once tally
             else:
