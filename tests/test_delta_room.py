@@ -120,7 +120,7 @@ def test_a_receiver_without_room_turns_delta_off_for_every_side(caplog: pytest.L
         for received in got:
             assert [_digest(n, t) for n, t in received] == want, f"step {step}"
         if step == 0:  # the tight rank ran out mid-sync; the others do not know yet
-            assert decoders[1].off is not None and "would leave less than 4.0 GiB" in decoders[1].off
+            assert decoders[1].off is not None and "would leave less than 4.00 GiB free" in decoders[1].off
             assert decoders[1].stats.off and not encoder.stats.off and not decoders[0].stats.off
             assert decoders[1].base_bytes == 0 and decoders[1].epoch is None
             assert decoders[0].base_bytes == 8 * MIB and encoder.base_bytes == 8 * MIB
@@ -186,3 +186,26 @@ def test_a_receiver_that_runs_out_mid_delta_sync_still_rebuilds_the_deltas() -> 
     assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in model]
     assert decoder.stats.off and decoder.stats.delta_tensors == 7 and decoder.base_bytes == 0
     assert decoder.epoch is None and encoder.epoch == "e1"
+
+
+def test_a_sync_that_fails_after_delta_turned_off_leaves_it_off_and_no_base() -> None:
+    """The receiver runs out in a delta sync, then the sync fails (its consumer raised): it does not
+    go back to the old epoch (a base it no longer fully holds), reports why delta is off, and the
+    next sync, told so, is full and exact with no base on any side."""
+    host = Host(RESERVE_MIN + 8 * MIB + MIB // 4)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder(room=Room(host.read))
+    host.sides.append(decoder)
+    _sync(encoder, [decoder], _model(0), "e0")
+    model = _model(1)
+    model[5] = ("w5", torch.randn(MIB, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16))
+    encoder.begin("e0", "e1")
+    decoder.begin("e0", "e1")
+    for name, tensor in model[:7]:  # the consumer fails before the last tensor: no commit
+        decoder.decode(*encoder.encode(name, tensor))
+    assert decoder.off is not None and decoder.stats.off
+    decoder.settle()  # what the engine does before it reports this side for the next sync
+    assert decoder.epoch is None and decoder.rolled_back == 0
+    got = _sync(encoder, [decoder], _model(2), "e2")
+    assert [_digest(n, t) for n, t in got[0]] == [_digest(n, t) for n, t in _model(2)]
+    assert encoder.stats.off and not encoder.stats.delta_sync and encoder.base_bytes == 0
+    assert decoder.base_bytes == 0 and encoder.off is not None and encoder.off.endswith(decoder.off)

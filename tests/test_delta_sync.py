@@ -143,36 +143,46 @@ def test_delta_with_every_trainer_rank_sending() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_rollout_rank_without_room_for_its_base_turns_delta_off_for_every_rank() -> None:
-    """Rollout rank 1 runs in a real memory cgroup (a container's limit) that leaves it a few MiB
-    beyond the 4 GiB it must keep free: in the first sync it finds no room for the whole base, its
+@pytest.mark.parametrize("tight", ["rollout", "sender"])
+def test_a_rank_without_room_for_its_base_turns_delta_off_for_every_rank(tight: str) -> None:
+    """One rank runs in a real memory cgroup (a container's limit) that leaves it a few MiB beyond the
+    4 GiB it must keep free: rollout rank 1 (one sender, gloo), or trainer rank 1 of two that both
+    send (``senders=all``, lanes). In the first sync it finds no room for its whole base, every
     consumer still gets every byte, and from the next sync on every rank runs full syncs and keeps
     no base (told by the topology, with the reason); exact every time."""
     model = [TensorSpec(f"big{i}.w", (1 << 20,), "bfloat16") for i in range(8)]  # 16 MiB, 2 MiB tensors
+    n_actor, extra = (1, {}) if tight == "rollout" else (2, {"senders": "all"})
+    index = 2 if tight == "rollout" else 1  # the process: trainers first, then rollout ranks
+    label = "rollout rank 1, receiver" if tight == "rollout" else "trainer rank 1, sender"
+    ranks = n_actor + 2
     with memory_cgroup(RESERVE_MIN + (6 << 20)) as (directory, _version):
-        with _cluster("gloo", bucket_size=1 << 20) as cluster:
+        with _cluster("gloo", n_actor=n_actor, bucket_size=1 << 20, **extra) as cluster:
             procs = os.path.join(directory, "cgroup.procs")
             join = f"import os\nwith open({procs!r}, 'w') as fh:\n    fh.write(str(os.getpid()))"
-            cluster.post(2, "exec", join)  # rollout rank 1 (0 is the trainer)
-            cluster.wait(2)
+            cluster.post(index, "exec", join)
+            cluster.wait(index)
             for step in range(3):
                 result = cluster.sync(model, 0, {"step": step})
                 want = sorted(expected_digests(model, 0, step))
                 for receiver in result["receivers"]:
                     assert sorted(tuple(d) for d in receiver["digests"]) == want, f"step {step}"
-                [sent] = [s["metrics"] for s in result["senders"]]
-                got = [r["metrics"] for r in result["receivers"]]
-                off = [m["fastsync/transfer/delta_off"] for m in (sent, *got)]
-                assert off == ([0.0, 0.0, 1.0] if step == 0 else [1.0, 1.0, 1.0]), (step, off)
-                assert all(m["fastsync/transfer/delta_sync"] == 0.0 for m in (sent, *got)), step
-                assert sent["fastsync/transfer/bytes"] == 16 << 20  # every byte went, as itself
+                sent = [s["metrics"] for s in result["senders"]]
+                every = sent + [r["metrics"] for r in result["receivers"]]
+                off = [m["fastsync/transfer/delta_off"] for m in every]
+                first = [float(i == index) for i in range(ranks)]
+                assert off == (first if step == 0 else [1.0] * ranks), (step, off)
+                assert all(m["fastsync/transfer/delta_sync"] == 0.0 for m in every), step
+                assert sum(m["fastsync/transfer/bytes"] for m in sent) == 16 << 20  # every byte, as itself
             read = "side = worker.engine.delta_encoder or worker.engine.delta_decoder\n"
             read += "result = (side.off, side.base_bytes)"
             reasons = []
-            for rank in range(3):
+            for rank in range(ranks):
                 cluster.post(rank, "exec", read)
                 reason, base_bytes = cluster.wait(rank)
                 assert base_bytes == 0 and reason, (rank, reason, base_bytes)
                 reasons.append(reason)
-            assert reasons[2].startswith("receiver: keeping the delta base of") and "4.0 GiB" in reasons[2]
-            assert reasons[0] == reasons[1] == f"rollout rank 1, {reasons[2]}", reasons
+            own = reasons[index]
+            rank, role = label.split(", ")
+            assert own.startswith(f"{role}: keeping the delta base of"), own
+            assert "less than 4.00 GiB free in this process's memory cgroup (a container's limit)" in own, own
+            assert all(r == f"{rank}, {own}" for i, r in enumerate(reasons) if i != index), reasons

@@ -138,7 +138,7 @@ def test_a_mount_of_another_subtree_or_no_cgroup_files_means_no_limit(tmp_path: 
 
 
 def test_host_memory_available_is_the_smaller_of_host_and_cgroup(monkeypatch: pytest.MonkeyPatch) -> None:
-    host = limits._meminfo_available()
+    host = limits.meminfo_available()
     monkeypatch.setattr(limits, "cgroup_memory_available", lambda proc="/proc/self": 123 * MIB)
     assert limits.host_memory_available() == min(host, 123 * MIB)
     monkeypatch.setattr(limits, "cgroup_memory_available", lambda proc="/proc/self": None)

@@ -51,12 +51,13 @@ def host_memory_available() -> int:
     limit: the kernel kills there, whatever the host has; :func:`cgroup_memory_available`). What
     ``bucket_bytes=auto`` sizes host buckets against and what doctor checks a delta sync's base
     against."""
-    available = _meminfo_available()
+    available = meminfo_available()
     limited = cgroup_memory_available()
     return available if limited is None else min(available, limited)
 
 
-def _meminfo_available() -> int:
+def meminfo_available() -> int:
+    """The host's ``MemAvailable`` in bytes (psutil where there is no ``/proc/meminfo``)."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from verl_fastsync.limits import host_memory_available
+from verl_fastsync.limits import cgroup_memory_available, host_memory_available, meminfo_available
 
 __all__ = ["RECHECK_MIN", "RESERVE_FRACTION", "RESERVE_MIN", "Room"]
 
@@ -69,10 +69,17 @@ class Room:
         self._stale = False
 
     def refusal(self, name: str, nbytes: int) -> str:
-        """Why :meth:`take` refused ``nbytes`` for ``name``, with the figures."""
-        gib = 1 << 30
+        """Why :meth:`take` refused ``nbytes`` for ``name``, with the figures and what limits them."""
+        gib, mib = 1 << 30, 1 << 20
+        reserve = self.reserve or 0
+        limited = cgroup_memory_available()
+        where = (
+            "this process's memory cgroup (a container's limit)"
+            if limited is not None and limited < meminfo_available()
+            else "this host"
+        )
         return (
-            f"keeping the delta base of {name!r} ({nbytes / (1 << 20):.1f} MiB more) would leave less than "
-            f"{(self.reserve or 0) / gib:.1f} GiB of this host's memory free ({self.available / gib:.1f} GiB "
-            "available, within this process's memory cgroup limit if it has one)"
+            f"keeping the delta base of {name!r} ({nbytes / mib:.1f} MiB more) would leave less than "
+            f"{reserve / gib:.2f} GiB free in {where}: {self.available / gib:.2f} GiB available, "
+            f"{max(0, self.available - reserve) / mib:.1f} MiB of it for bases"
         )

@@ -287,7 +287,7 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
             f"memory for its bases ({ranks} rollout ranks ({source}) x {one / gib:.2f} GiB: the "
             f"checkpoint at {path} plus an eighth for the undo journal during a delta sync) and this "
             f"host has {available / gib:.2f} GiB available; set delta=false, run fewer rollout GPUs per "
-            "host, or free host memory",
+            "host, or free host memory (at run time a rank without room turns delta off for the run)",
             note,
         )
     return None, note
