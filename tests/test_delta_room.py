@@ -203,8 +203,9 @@ def test_a_sync_that_fails_after_delta_turned_off_leaves_it_off_and_no_base() ->
     for name, tensor in model[:7]:  # the consumer fails before the last tensor: no commit
         decoder.decode(*encoder.encode(name, tensor))
     assert decoder.off is not None and decoder.stats.off
+    assert decoder.base_bytes > 0  # (the bases it held when it ran out, until the sync ends)
     decoder.settle()  # what the engine does before it reports this side for the next sync
-    assert decoder.epoch is None and decoder.rolled_back == 0
+    assert decoder.epoch is None and decoder.rolled_back == 0 and decoder.base_bytes == 0
     got = _sync(encoder, [decoder], _model(2), "e2")
     assert [_digest(n, t) for n, t in got[0]] == [_digest(n, t) for n, t in _model(2)]
     assert encoder.stats.off and not encoder.stats.delta_sync and encoder.base_bytes == 0

@@ -25,7 +25,7 @@ from verl_fastsync.delta.room import Room
 
 __all__ = ["DeltaStats", "DeltaSyncError", "Side"]
 
-_log = logging.getLogger("verl_fastsync.delta.stream")
+_log = logging.getLogger("verl_fastsync.delta.stream")  # (the logger a side used before it had a module)
 
 
 class DeltaSyncError(DeltaError):
@@ -109,6 +109,8 @@ class Side:
             journal.roll_back(self.base)
             self.epoch = self._against
             self.rolled_back += 1
+        if self.off is not None:  # (no journal: delta is off, the base goes now)
+            self.base.clear()
         self._seen = set()
 
     def begin(
