@@ -326,6 +326,7 @@ def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) ->
     """``delta=true`` keeps the model's bytes on the sending rank and every rollout rank, and verl puts
     a receiver on every rollout GPU: doctor reads the size from a local checkpoint and fails when this
     host cannot hold a rollout host's bases (one per rollout GPU, each with its undo journal)."""
+    from verl_fastsync.delta.room import RESERVE_MIN
     from verl_fastsync.tools.doctor_checks import _delta_memory
 
     (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 3000)
@@ -333,25 +334,28 @@ def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) ->
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 5000)  # the same weights again: not counted
     model = f"actor_rollout_ref.model.path={tmp_path}"
     one_gpu = [model, "trainer.n_gpus_per_node=1"]
-    problem, note = _delta_memory(one_gpu, available=4000)
+    free = RESERVE_MIN  # what a side keeps free at run time (this much available: 4 GiB, not 1/8)
+    problem, note = _delta_memory(one_gpu, available=free + 4000)
     assert problem is not None and "needs about 0.00 GiB" in problem and "set delta=false" in problem
+    assert "of which 4.00 GiB stay free" in problem, problem
     assert str(tmp_path) in note
-    problem, _ = _delta_memory(one_gpu, available=5500)  # the base fits, its undo journal does not
+    problem, _ = _delta_memory(one_gpu, available=free + 5500)  # the base fits, its undo journal does not
     assert problem is not None and "undo journal" in problem
-    problem, note = _delta_memory(one_gpu, available=5625)  # 5000 + 625
+    problem, note = _delta_memory(one_gpu, available=free + 5625)  # 5000 + 625
     assert problem is None and "every rollout rank" in note and "undo journal" in note
+    assert _delta_memory(one_gpu, available=5625)[0] is not None  # the bases fit, the reserve does not
     # verl's default: 8 rollout GPUs per host, each rank its own base
-    problem, note = _delta_memory([model], available=6000)
+    problem, note = _delta_memory([model], available=free + 6000)
     assert problem is not None and "8 rollout ranks" in problem and "verl's default" in problem, problem
-    assert _delta_memory([model], available=8 * 5625)[0] is None
-    assert _delta_memory([model], available=8 * 5625 - 1)[0] is not None
+    assert _delta_memory([model], available=free + 8 * 5625)[0] is None
+    assert _delta_memory([model], available=free + 8 * 5625 - 1)[0] is not None
     # rollout.n_gpus_per_node wins over the trainer's (verl's own fallback order), the last override wins
     four = [model, "trainer.n_gpus_per_node=8", "+actor_rollout_ref.rollout.n_gpus_per_node=4"]
-    problem, note = _delta_memory(four, available=4 * 5625)
+    problem, note = _delta_memory(four, available=free + 4 * 5625)
     assert problem is None and "4 (actor_rollout_ref.rollout.n_gpus_per_node)" in note, note
     problem, _ = _delta_memory(
         [model, "actor_rollout_ref.rollout.n_gpus_per_node=4", "actor_rollout_ref.rollout.n_gpus_per_node=5"],
-        available=4 * 5625,
+        available=free + 4 * 5625,
     )
     assert problem is not None and "5 rollout ranks" in problem
     problem, note = _delta_memory(["+trainer.n_gpus_per_node=8"], available=6000)

@@ -15,7 +15,7 @@ from typing import Final
 
 from verl_fastsync.limits import cgroup_memory_available, host_memory_available, meminfo_available
 
-__all__ = ["RECHECK_MIN", "RESERVE_FRACTION", "RESERVE_MIN", "Room"]
+__all__ = ["RECHECK_MIN", "RESERVE_FRACTION", "RESERVE_MIN", "Room", "reserve_for"]
 
 RESERVE_MIN: Final = 4 << 30
 """Host memory a side leaves free, at least: what the processes around it (vLLM's host buffers, the
@@ -25,6 +25,12 @@ RESERVE_FRACTION: Final = 8
 bases of a host take at most 7/8 of it."""
 RECHECK_MIN: Final = 64 << 20
 """Base bytes a side adds between two reads of the host's memory, at least (a read costs ~0.1 ms)."""
+
+
+def reserve_for(available: int) -> int:
+    """The bytes a side leaves free where ``available`` bytes were available when it first made
+    bases (doctor checks a host against the same rule before a run)."""
+    return max(RESERVE_MIN, available // RESERVE_FRACTION)
 
 
 class Room:
@@ -62,7 +68,7 @@ class Room:
     def _refresh(self) -> None:
         self.available = self._read()
         if self.reserve is None:
-            self.reserve = max(RESERVE_MIN, self.available // RESERVE_FRACTION)
+            self.reserve = reserve_for(self.available)
         self._left = self.available - self.reserve
         self._since_read = 0
         self._recheck = max(RECHECK_MIN, self._left // 16)

@@ -280,11 +280,8 @@ class DeltaDecoder(Side):
         stats.wire_bytes += received.numel() * received.element_size()
         if not name.startswith(DELTA_PREFIX):
             self._take(name)
-            if self.passing:  # (delta is off: no base is kept, the tensor goes on as it came)
-                self.base.pop(name, None)
-                stats.raw_tensors += 1
-                stats.model_bytes += received.numel() * received.element_size()
-                return name, received
+            if self.passing:
+                return self._pass(name, received)
             data, copied = host_bytes(received)
             held = self.base.get(name)
             reuse = held is not None and held.writable() and held.data.numel() == data.numel()
@@ -292,10 +289,7 @@ class DeltaDecoder(Side):
                 reuse = False  # the journal keeps the old entry: the new bytes go to new memory
             grows = data.numel() - (0 if held is None else held.data.numel())
             if not reuse and not self.make_room(name, grows):
-                self.base.pop(name, None)
-                stats.raw_tensors += 1
-                stats.model_bytes += data.numel()
-                return name, received
+                return self._pass(name, received)
             if reuse and held is not None:
                 held.data.copy_(data)  # the consumer let go of the last one: reuse its memory
                 data = held.data
@@ -338,6 +332,13 @@ class DeltaDecoder(Side):
         stats.compared_elements += out.numel() // width
         stats.changed_elements += int(_SPARSE_COUNT.unpack_from(wire.data, at + HEADER.size)[0])
         return name, self._keep(name, dtype, shape, out)
+
+    def _pass(self, name: str, received: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Delta is off: ``received`` goes on as it came (a plain receive's tensor) and no base is kept."""
+        self.base.pop(name, None)
+        self.stats.raw_tensors += 1
+        self.stats.model_bytes += received.numel() * received.element_size()
+        return name, received
 
     def _keep(
         self, name: str, dtype: torch.dtype, shape: tuple[int, ...], data: torch.Tensor

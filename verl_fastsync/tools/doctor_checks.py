@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_fastsync.config import ENGINE_KEY_PREFIX, KEY_PREFIX
+from verl_fastsync.delta.room import reserve_for
 from verl_fastsync.limits import host_memory_available
 from verl_fastsync.tools.doctor_env import ENV_MODULES, ENV_ROUTE, RAY_ENV_PREFIX
 
@@ -258,8 +259,9 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
     keeps one per rollout GPU (:func:`rollout_ranks_per_host`). The model's size is read from the
     checkpoint files at ``actor_rollout_ref.model.path`` when that is a local directory; this host's
     ``MemAvailable`` (or its memory cgroup's room: a container's limit) must hold a rollout host's
-    bases and their undo journals during a delta sync (an eighth more each; a problem if it cannot:
-    the hosts of one cluster are usually alike)."""
+    bases and their undo journals during a delta sync (an eighth more each) and still keep free what
+    a side keeps free at run time (:func:`~verl_fastsync.delta.room.reserve_for`; a problem if it
+    cannot: the hosts of one cluster are usually alike, and at run time delta would turn off)."""
     available = host_memory_available() if available is None else available
     path = _override(overrides, MODEL_PATH_KEY)
     size = _checkpoint_bytes(path) if path else None
@@ -281,13 +283,15 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
         f"up to an eighth more during a delta sync (its undo journal); {per_host}, about "
         f"{need / gib:.2f} GiB; {have}"
     )
-    if need > available:
+    reserve = reserve_for(available)
+    if need > available - reserve:
         return (
             f"{ENGINE_KEY_PREFIX}.delta=true: a rollout host needs about {need / gib:.2f} GiB of host "
             f"memory for its bases ({ranks} rollout ranks ({source}) x {one / gib:.2f} GiB: the "
             f"checkpoint at {path} plus an eighth for the undo journal during a delta sync) and this "
-            f"host has {available / gib:.2f} GiB available; set delta=false, run fewer rollout GPUs per "
-            "host, or free host memory (at run time a rank without room turns delta off for the run)",
+            f"host has {available / gib:.2f} GiB available, of which {reserve / gib:.2f} GiB stay free; "
+            "set delta=false, run fewer rollout GPUs per host, or free host memory (at run time a rank "
+            "without room turns delta off for the run)",
             note,
         )
     return None, note
