@@ -71,6 +71,7 @@ __all__ = [
     "consumer_error",
     "default_host",
     "failure_reason",
+    "rank_labels",
 ]
 
 
@@ -295,10 +296,19 @@ class LazyTransportClass:
         return f"LazyTransportClass({self.name!r}, {self.target!r})"
 
 
+def rank_labels(rollout_world_size: int, sender: str = "trainer rank 0") -> list[str]:
+    """verl's names for the ranks of one transfer group, indexed by transfer rank: 0 is the sender
+    (``sender``: verl's trainer rank, plus the lane with several senders), ``j + 1`` is verl's
+    rollout rank ``j``. Every error text names ranks this way, never by transfer rank."""
+    return [sender] + [f"rollout rank {j}" for j in range(rollout_world_size)]
+
+
 def base_topology(
     actor_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
 ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-    """The common part: trainer rank 0 -> rank 0, other trainer ranks -> -1, rollout -> 1..N."""
+    """The common part: trainer rank 0 -> rank 0, other trainer ranks -> -1, rollout -> 1..N, and
+    every rank's ``rank_labels`` (see :func:`rank_labels`; the lanes of several senders replace the
+    sender's label)."""
     for label, value in (("actor_world_size", actor_world_size), ("rollout_world_size", rollout_world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
@@ -309,17 +319,20 @@ def base_topology(
         )
     world = 1 + rollout_world_size
     bucket = [m.get("bucket_size") for m in metadata]
+    labels = rank_labels(rollout_world_size)
     actor: dict[str, list[Any]] = {
         "rank": [SENDER_RANK] + [-1] * (actor_world_size - 1),
         "world_size": [world] * actor_world_size,
         "role": ["trainer"] * actor_world_size,
         "bucket_size": bucket[:actor_world_size],
+        "rank_labels": [labels] * actor_world_size,
     }
     rollout: dict[str, list[Any]] = {
         "rank": list(range(1, world)),
         "world_size": [world] * rollout_world_size,
         "role": ["rollout"] * rollout_world_size,
         "bucket_size": bucket[actor_world_size:],
+        "rank_labels": [labels] * rollout_world_size,
     }
     return actor, rollout
 

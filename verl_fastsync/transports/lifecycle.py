@@ -21,6 +21,7 @@ from verl_fastsync.transports.base import (
     TransportOptions,
     TransportTimeoutError,
     base_topology,
+    rank_labels,
 )
 
 __all__ = ["InFlight", "TransportCore"]
@@ -66,6 +67,8 @@ class TransportCore(EngineTransport):
         self.slots = self._configured_slots()
         """Bucket buffers the sender fills in turn (bucket ``k`` goes to slot ``k % slots``)."""
         self.inflight = InFlight()
+        self.rank_labels: list[str] = []
+        """verl's name of each transfer rank (``init_process_group``'s ``rank_labels``)."""
         self._stats: TransferStats | None = None
         self.sync_generation = 0
         """Bumped when a sync starts (``init_process_group``) and when it ends (``finalize``): a
@@ -106,6 +109,12 @@ class TransportCore(EngineTransport):
         role = kwargs.pop("role", "trainer" if rank <= 0 else "rollout")
         bucket_size = kwargs.pop("bucket_size", None)
         self.rank, self.world_size, self.role = int(rank), int(world_size), str(role)
+        labels = kwargs.pop("rank_labels", None)
+        self.rank_labels = (
+            [str(label) for label in labels]
+            if isinstance(labels, list | tuple) and len(labels) == self.world_size
+            else rank_labels(max(self.world_size - 1, 0))
+        )
         if self.rank < 0:
             return
         self.bucket_size = validate_bucket_size(bucket_size)
@@ -177,15 +186,28 @@ class TransportCore(EngineTransport):
         """Bytes of bucket buffers this side allocated (default: one bucket per slot)."""
         return self.slots * self.bucket_size
 
+    def label(self, rank: int | None) -> str:
+        """verl's name for transfer rank ``rank`` ("trainer rank 2 (lane 1)", "rollout rank 3")."""
+        if rank is not None and 0 <= rank < len(self.rank_labels):
+            return self.rank_labels[rank]
+        if rank == SENDER_RANK:
+            return "trainer rank 0"
+        return f"rollout rank {rank - 1}" if isinstance(rank, int) and rank > 0 else f"rank {rank}"
+
+    @property
+    def me(self) -> str:
+        """This side's own name for error texts: "<transport> transport, <verl's rank name>"."""
+        return f"{self.name} transport, {self.label(self.rank)}"
+
     def _timeout_error(self, peer: str, detail: str = "") -> TransportTimeoutError:
         extra = f" ({detail})" if detail else ""
         return TransportTimeoutError(
-            f"{self.name} transport, {self.role} rank {self.rank}: timed out after "
+            f"{self.me}: timed out after "
             f"{self.options.timeout_s:g}s waiting for {peer}{extra}; {self.inflight.describe()}"
         )
 
     def _abort_error(self, peer: str, reason: str) -> PeerAbortedError:
         return PeerAbortedError(
-            f"{self.name} transport, {self.role} rank {self.rank}: {peer} aborted the sync: {reason}; "
+            f"{self.me}: {peer} aborted the sync: {reason}; "
             f"{self.inflight.describe()}"
         )
