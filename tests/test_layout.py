@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 """The package's layers, bottom first (names relative to ``verl_fastsync``; ``""`` is its ``__init__``,
 which installs the adapter): a module imports, at run time, only its own package and the layers below
-its own. The README's "Layers" section shows the same list."""
+its own. The "Layers" section of docs/development.md shows the same list."""
 
 
 # -- reading the source -------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_every_package_imports_only_the_layers_below_it() -> None:
 
 
 def test_the_readme_shows_the_layers() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "development.md").read_text()  # the user's guide's development page
     block = readme[readme.index("## Layers") :].split("```text\n", 1)[1].split("```", 1)[0]
     shown = [tuple(name.strip() for name in line.split("  ")[0].split(",")) for line in block.splitlines()]
     shown = [tuple("" if name == "__init__" else name for name in names) for names in shown]

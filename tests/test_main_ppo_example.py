@@ -1,5 +1,6 @@
-"""The CPU ``main_ppo`` example switches fastsync on with exactly the README's overrides, and the README
-lists exactly the example's modes (the runs themselves are ``tests/e2e/test_main_ppo.py``)."""
+"""The CPU ``main_ppo`` example switches fastsync on with exactly the overrides of the guide's recipes page
+(``docs/recipes.md``), and that page lists exactly the example's modes (the runs themselves are
+``tests/e2e/test_main_ppo.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from _main_ppo_harness import example, is_vllm_message_queue
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (Path(__file__).resolve().parent.parent / "docs" / "recipes.md").read_text()
 
 
 def _bash_block_with(needle: str) -> list[str]:
