@@ -3,9 +3,13 @@
 # 0.7.1, 0.8.0 and 0.9.0 (installed by scripts/setup.sh under .verl-releases/). Extra arguments go to
 # every pytest run (e.g. --soak).
 #
-# The closing line adds up every pytest run: "N passed, N failed, N errors, N skipped". The exit
-# status is non-zero when lint or types fail, or any run has a failure or an error (a run that ends
-# without pytest's summary line, e.g. killed, counts as one error).
+# The user's guide (docs/) is built strictly first: any Sphinx warning (a broken link or heading, a page
+# in no table of contents, a configuration key the reference cannot render) fails the build, which then
+# counts as one failed check; a clean build counts as one passed.
+#
+# The closing line adds up the docs build and every pytest run: "N passed, N failed, N errors, N
+# skipped". The exit status is non-zero when lint, types or the docs build fail, or any run has a
+# failure or an error (a run that ends without pytest's summary line, e.g. killed, counts as one error).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
@@ -54,9 +58,22 @@ run_pytest() {
 }
 
 echo "=== ruff"
-ruff check verl_fastsync tests benchmarks examples || status=1
+ruff check verl_fastsync tests benchmarks examples docs || status=1
 echo "=== mypy"
 mypy || status=1
+mypy docs/_ext || status=1
+
+echo "=== docs (sphinx-build -W --keep-going -n: every warning fails)"
+docs_out=$(mktemp -d)
+if python -m sphinx -W --keep-going -n -q -b html docs "$docs_out"; then
+    echo "docs: built (a page per feature, the configuration reference rendered from the code)"
+    passed=$((passed + 1))
+else
+    echo "docs: the build failed (above): counted as one failure"
+    failed=$((failed + 1))
+    status=1
+fi
+rm -rf "$docs_out"
 
 run_pytest "verl 0.9.1 (all tests)" "$@"
 for release in 0.7.1 0.8.0 0.9.0; do
