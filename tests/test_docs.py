@@ -61,3 +61,72 @@ def test_every_page_is_in_the_table_of_contents() -> None:
     index = (ROOT / "docs" / "index.md").read_text()
     pages = sorted(p.stem for p in (ROOT / "docs").glob("*.md") if p.stem != "index")
     assert [p for p in pages if f"\n{p}\n" not in index] == []
+
+
+CUSTOM = "+actor_rollout_ref.rollout.custom.fastsync"
+ENGINE_KW = "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync"
+RAY_ENV = "+ray_kwargs.ray_init.runtime_env.env_vars"
+
+# (overrides, a fragment of doctor's problem that the troubleshooting page must quote)
+PROBLEMS = [
+    ([f"{CUSTOM[1:]}.enable=true"], "Hydra refuses it"),
+    (["trainer.n_gpus_per_nod=8"], "ppo_trainer config refuses these overrides"),
+    ([f"{CUSTOM}.enable=maybe"], "is invalid; allowed"),
+    ([f"{CUSTOM}.enabel=true"], "unknown key; allowed keys"),
+    ([f"{CUSTOM}.enable=true", f"{CUSTOM}.pre_resume_cleanup=turbo"], "unknown cleanup policy; available"),
+    (
+        [f"{CUSTOM}.enable=true", f"{CUSTOM}.disabled_plugins=[x]"],
+        "must reach every verl process",
+    ),
+    ([f"{CUSTOM}.enable=true", f"{CUSTOM}.colocated_transport=shm"], "needs VERL_FASTSYNC_COLOCATED=shm"),
+    ([f"{CUSTOM}.enable=true", f"{RAY_ENV}.VERL_FASTSYNC_COLOCATED=shm"], "set both or neither"),
+    (
+        [
+            f"{CUSTOM}.enable=true",
+            f"{CUSTOM}.colocated_transport=shm",
+            f"{RAY_ENV}.VERL_FASTSYNC_COLOCATED=shm",
+            f"{CUSTOM}.timeout_s=30",
+        ],
+        "must also bound vLLM's receivers",
+    ),
+    ([f"{ENGINE_KW}.transprot=shm"], "unknown engine_kwargs.fastsync key(s)"),
+    ([f"{ENGINE_KW}.bucket_size=1"], "cannot be set: verl passes"),
+    ([f"{ENGINE_KW}.transport=rdma"], "unknown engine transport; available"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_every_problem_doctor_reports_is_in_troubleshooting(tmp_path: Path) -> None:
+    """Each kind of problem doctor reports, triggered for real, is quoted on the troubleshooting page
+    (with its fix next to it): a new kind of problem needs its entry."""
+    from verl_fastsync.tools.doctor import diagnose
+
+    page = " ".join((ROOT / "docs" / "troubleshooting.md").read_text().split())
+    cases = list(PROBLEMS)
+    import torch
+
+    if not torch.cuda.is_available():
+        ipc = [
+            f"{CUSTOM}.enable=true",
+            f"{CUSTOM}.colocated_transport=ipc",
+            f"{RAY_ENV}.VERL_FASTSYNC_COLOCATED=ipc",
+        ]
+        cases += [(ipc, "cannot work here"), (ipc, "selects CUDA IPC, which this worker cannot use")]
+    model = tmp_path / "model"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as f:  # sparse: larger than any host's memory
+        f.truncate(1 << 42)  # 4 TiB
+    cases.append(
+        (
+            [
+                f"{ENGINE_KW}.transport=gloo",
+                f"{ENGINE_KW}.delta=true",
+                f"actor_rollout_ref.model.path={model}",
+            ],
+            "a rollout host needs about",
+        )
+    )
+    for overrides, fragment in cases:
+        problems = diagnose(overrides)["problems"]
+        assert any(fragment in p for p in problems), (overrides, fragment, problems)
+        assert fragment in page, f"docs/troubleshooting.md does not quote doctor's {fragment!r}"
