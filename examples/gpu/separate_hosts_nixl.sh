@@ -18,6 +18,8 @@ LAYOUT=(
 FASTSYNC=(
     actor_rollout_ref.rollout.checkpoint_engine.backend=fastsync
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync.transport=nixl
+    # every trainer rank sends a byte-balanced share on its own lane (16 here); senders=2 sends one
+    # share per trainer host instead (the first ranks, spread over hosts)
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync.senders=all
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync.bucket_bytes=auto
 )
