@@ -400,7 +400,10 @@ def test_tensors_to_copy_go_through_one_reused_staging_buffer(monkeypatch: pytes
         for name, tensor in model:
             got.append(decoder.decode(*encoder.encode(name, tensor)))  # (a transport copies a raw one here)
             tensor.fill_(-1.0)  # the producer reuses its memory as soon as the tensor was taken
-            staging_ptrs.add(encoder._staging.buffer.data_ptr())
+            if step:  # (a full sync copies each tensor straight into its new base: nothing staged)
+                staging_ptrs.add(encoder._staging.buffer.data_ptr())
+            else:
+                assert encoder._staging.buffer is None
         encoder.commit()
         decoder.commit()
         assert [_digest(n, t) for n, t in got] == want, f"step {step}"
@@ -410,3 +413,43 @@ def test_tensors_to_copy_go_through_one_reused_staging_buffer(monkeypatch: pytes
     largest_staged = max(r * c * 2 for r, c in sizes if r * c * 2 <= 64 * 1024)
     assert encoder._staging.buffer.numel() == largest_staged
     assert len(staging_ptrs) <= 2  # grown once (40x30 first, then 128x100), then reused
+
+
+def _lazy_views(step: int) -> Model:
+    """Tensors the transports accept whose bytes only their byte view reads right: a conjugate view, a
+    negative-bit view, one-element tensors with a non-unit stride (0.5% of the values change per step)."""
+    gen = torch.Generator().manual_seed(61)
+    spins = torch.randn(4096, dtype=torch.complex64, generator=gen)
+    gains = torch.randn(64, 64, generator=gen)
+    spins[step::200] += step
+    gains.view(-1)[step::200] -= step
+    strided = torch.randn(1, 5, generator=gen) + step
+    return [
+        ("spins", spins.conj()),
+        ("gains", torch._neg_view(gains)),
+        ("bias", strided[:, 3]),  # shape (1,), stride (5,)
+        ("scale", strided[:, 1:2].t()),  # shape (1, 1), strides (1, 5)
+        ("gains_t", torch._neg_view(gains).t()),  # negative bit and not contiguous
+    ]
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_compare", "device_compare"])
+def test_conjugate_negative_bit_and_strided_one_element_tensors_sync_exactly(on_device: bool) -> None:
+    """Before the fix each of these failed every delta sync (``view`` of a conjugate or negative-bit
+    tensor, or of a one-element tensor whose stride is not 1, raises). Now they arrive as the transports'
+    byte view reads them, as deltas where few values changed."""
+    from verl_fastsync.chunks import byte_view
+
+    views = _lazy_views(0)
+    assert views[0][1].is_conj() and views[1][1].is_neg() and views[2][1].stride() == (5,)
+    encoder, decoders = DeltaEncoder(compare_on_device=on_device), [DeltaDecoder(), DeltaDecoder()]
+    for step in range(4):
+        model = _lazy_views(step)
+        got = _sync(encoder, decoders, model, f"v{step}")
+        for received in got:
+            for (name, tensor), (got_name, out) in zip(model, received, strict=True):
+                assert got_name == name and out.shape == tensor.shape and out.dtype == tensor.dtype
+                assert torch.equal(byte_view(out), byte_view(tensor)), f"step {step}: {name}"
+        if step:
+            assert encoder.stats.delta_sync and encoder.stats.delta_tensors == 3, encoder.stats
+
