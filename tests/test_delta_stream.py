@@ -336,7 +336,9 @@ def test_a_base_the_consumer_let_go_of_is_rebuilt_in_place_one_it_holds_is_not()
     [got] = _sync(encoder, [decoder], model, "b")
     assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in model]
     moved = {name for name, ptr in where.items() if decoder.base[name].data.data_ptr() != ptr}
-    assert moved == {"master"}, moved  # only the held one got new memory
+    # only the held one got new memory, and the 0-d tensor (it goes raw: its old base stays in the
+    # undo journal, which the held one costs nothing)
+    assert moved == {"master", "scalar"}, moved
     assert kept.data_ptr() == where["master"]
 
 
@@ -453,3 +455,31 @@ def test_conjugate_negative_bit_and_strided_one_element_tensors_sync_exactly(on_
         if step:
             assert encoder.stats.delta_sync and encoder.stats.delta_tensors == 3, encoder.stats
 
+
+def test_a_failed_delta_sync_with_a_consumer_holding_every_tensor_rolls_back_and_the_next_diffs() -> None:
+    """A consumer that holds what it was given (verl's SGLang adapter batches tensors before it loads
+    them; here it keeps them until the next sync ends): every base is held when the next delta sync
+    rebuilds it, so each goes to new memory. Before the fix the undo journal charged each held base at
+    its size, gave up past an eighth of the model, and a failed sync was followed by a full one. A held
+    base costs the journal nothing: the failed sync rolls back and the next one diffs again."""
+    gen = torch.Generator().manual_seed(29)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    [kept] = _sync(encoder, [decoder], model, "a")
+    model = _step(model, gen, 0.02)
+    [kept] = _sync(encoder, [decoder], model, "b")  # (a's tensors are let go of once b's are kept)
+    assert encoder.stats.delta_sync
+    failing = _step(model, gen, 0.02)
+    [partial] = _sync(encoder, [decoder], failing[:7], "c", commit=False)  # fails after 7 tensors
+    assert decoder.stats.delta_tensors >= 4
+    encoder.settle()
+    decoder.settle()
+    assert encoder.epoch == decoder.epoch == "b" and decoder.rolled_back == 1
+    assert [_digest(n, t) for n, t in kept] == [_digest(n, t) for n, t in model]  # held: never written
+    del partial
+    later = _step(model, gen, 0.02)
+    [got] = _sync(encoder, [decoder], later, "d")
+    assert decoder.stats.delta_sync and decoder.stats.delta_tensors >= 4, decoder.stats
+    assert encoder.full_syncs == decoder.full_syncs == 1
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in later]
+    assert [_digest(n, t) for n, t in kept] == [_digest(n, t) for n, t in model]
