@@ -23,12 +23,17 @@ from typing import Final
 
 import torch
 
-__all__ = ["PAGE", "footprint", "host_buffer"]
+__all__ = ["PAGE", "PAGE_LOCK_MIN", "footprint", "host_buffer"]
 
 _log = logging.getLogger(__name__)
 
 PAGE: Final = mmap.PAGESIZE
 """A page-locked buffer takes whole pages of this many bytes."""
+
+PAGE_LOCK_MIN: Final = 1 << 20
+"""Bytes a base must have to be page-locked by default (a smaller one's copy is bound by its latency,
+not by bandwidth, and each page-locked buffer is a mapping and a registration of its own: a model of
+tens of thousands of small tensors would otherwise take as many)."""
 
 _CUDA_HOST_REGISTER_PORTABLE: Final = 1
 """Page-locked for every CUDA context of the process, not only the current device's."""
@@ -72,6 +77,9 @@ def _register(address: int, nbytes: int) -> None:
     code = int(cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
     if code:
         name = cudart.cudaGetErrorString(cudart.cudaError(code))
+        clear = getattr(cudart, "cudaGetLastError", None)  # (where bound: not left for a later check)
+        if clear is not None:
+            clear()
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {name} (cudaError {code})")
 
 
@@ -86,7 +94,7 @@ def _release(address: int, region: mmap.mmap) -> None:
         _unregister(address)
     except Exception as exc:  # (at interpreter exit CUDA may be gone: the process returns it all)
         _log.debug("fastsync: unregistering page-locked host memory at %#x: %s", address, exc)
-    del region
+    # ``region`` is unmapped once this returns (or once its last tensor's buffer is released)
 
 
 def _refused(nbytes: int, exc: Exception) -> None:

@@ -27,11 +27,12 @@ and the next sync is full (a half-updated base is never used). Tensors not sent 
 base when the sync ends (a tensor removed from the model).
 
 **Memory.** The base is the model's bytes in host memory on the sending rank (its share, with several
-senders; page-locked for CUDA tensors compared on the device, :mod:`~verl_fastsync.delta.device`, each
-base its own registration of just its pages (:mod:`~verl_fastsync.delta.hostmem`: counted at that,
-returned to the host when the base is dropped, pageable where pinning is refused) and on every
-receiving rank, plus the undo journal during a delta sync (at most :data:`UNDO_FRACTION` of
-it) and, on the sender, one staging buffer (:class:`~verl_fastsync.delta.device.Staging`). A receiver
+senders; page-locked for CUDA tensors of 1 MiB or more compared on the device,
+:mod:`~verl_fastsync.delta.device`: each such base a registration of just its pages, counted at that and
+returned to the host when the base is dropped, pageable where pinning is refused,
+:mod:`~verl_fastsync.delta.hostmem`) and on every receiving rank, plus the undo journal during a delta
+sync (at most :data:`UNDO_FRACTION` of it) and, on the sender, one staging buffer
+(:class:`~verl_fastsync.delta.device.Staging`). A receiver
 lends the consumer a view of the base it rebuilt; a base the consumer still holds is never
 written again (the next sync rebuilds that tensor into new memory and drops the old one), a base it
 let go of is rebuilt in place. So the consumer may hold what it was given for as long as it likes. A
@@ -66,7 +67,7 @@ from verl_fastsync.delta.codec import (
     encode,
 )
 from verl_fastsync.delta.device import Staging, base_copy, encode_on_device, host_bytes
-from verl_fastsync.delta.hostmem import footprint
+from verl_fastsync.delta.hostmem import PAGE_LOCK_MIN, footprint
 from verl_fastsync.delta.room import Room
 from verl_fastsync.delta.side import DeltaStats, DeltaSyncError, Side
 from verl_fastsync.io.lending import lend
@@ -149,8 +150,8 @@ class DeltaEncoder(Side):
         on the host; None: for a tensor that is not on the CPU (the tests force it on CPU tensors)."""
         self.page_locked = page_locked
         """Keep bases (and stage copies) in page-locked host memory where the host allows it; None:
-        the base of a CUDA tensor compared on its device, and the staging buffer when CUDA is available
-        (the tests force it on CPU tensors)."""
+        the base of a CUDA tensor of at least 1 MiB compared on its device, and the staging buffer when
+        CUDA is available (the tests force it on CPU tensors)."""
         self.device_fallbacks = 0
         """Tensors compared on the host because the compare on their device ran out of device memory
         (the first one is logged)."""
@@ -248,11 +249,13 @@ class DeltaEncoder(Side):
         return tensor.device.type != "cpu" if self.compare_on_device is None else self.compare_on_device
 
     def _pins(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s base is page-locked: the base of a CUDA tensor compared on its device
-        crosses to the device every sync (:attr:`page_locked` decides when set)."""
+        """Whether ``tensor``'s base is page-locked: the base of a CUDA tensor of at least
+        :data:`~verl_fastsync.delta.hostmem.PAGE_LOCK_MIN` bytes compared on its device crosses to the
+        device every sync (:attr:`page_locked` decides when set)."""
         if self.page_locked is not None:
             return self.page_locked
-        return tensor.device.type == "cuda" and self._on_device(tensor)
+        big = tensor.numel() * tensor.element_size() >= PAGE_LOCK_MIN
+        return big and tensor.device.type == "cuda" and self._on_device(tensor)
 
     def _raw(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """``tensor`` goes as itself (its base was set by the caller)."""
