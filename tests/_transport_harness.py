@@ -60,9 +60,27 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str = "float32"
     noncontig: bool = False
+    lazy: str = ""
+    """``"conj"`` (a conjugate view; a complex dtype), ``"neg"`` (a negative-bit view) or ``"strided"``
+    (each element 3 apart: a one-element tensor with a non-unit stride): tensors whose bytes only the
+    transports' byte view reads right."""
 
 
-def build_tensor(spec: TensorSpec, seed: int) -> Any:
+def _lazy_view(spec: TensorSpec, tensor: Any) -> Any:
+    import torch
+
+    if spec.lazy == "conj":
+        return tensor.conj()
+    if spec.lazy == "neg":
+        return torch._neg_view(tensor)
+    if spec.lazy == "strided":
+        wide = torch.zeros((*tensor.shape, 3), dtype=tensor.dtype)
+        wide[..., 1] = tensor
+        return wide[..., 1]
+    return tensor
+
+
+def build_tensor(spec: TensorSpec, seed: int, lazy: bool = True) -> Any:
     import torch
 
     dtype = getattr(torch, spec.dtype)
@@ -83,21 +101,21 @@ def build_tensor(spec: TensorSpec, seed: int) -> Any:
     tensor = raw.view(dtype).reshape(base_shape)
     if spec.noncontig and len(shape) >= 1:
         tensor = tensor[..., ::2]
-    return tensor
+    return _lazy_view(spec, tensor) if lazy else tensor
 
 
 def iter_model(specs: list[TensorSpec], seed: int = 0, step: int = 0) -> Any:
     """The model of ``seed``; ``step > 0``: the same model with about 2% of each tensor's elements
     replaced (a different 2% per step), as consecutive optimizer steps change few values."""
     for i, spec in enumerate(specs):
-        tensor = build_tensor(spec, seed * 100003 + i)
+        tensor = build_tensor(spec, seed * 100003 + i, lazy=False)
         if step and tensor.numel():
             tensor = tensor.clone()  # contiguous, same shape
             flat = tensor.reshape(-1)
-            other = build_tensor(spec, seed * 100003 + i + 7919 * step).reshape(-1)
+            other = build_tensor(spec, seed * 100003 + i + 7919 * step, lazy=False).reshape(-1)
             where = slice(step % 17, None, 50)
             flat[where] = other[where]
-        yield spec.name, tensor
+        yield spec.name, _lazy_view(spec, tensor)
 
 
 def digest(name: str, tensor: Any) -> tuple[str, tuple[int, ...], str, str]:

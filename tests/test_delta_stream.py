@@ -336,7 +336,9 @@ def test_a_base_the_consumer_let_go_of_is_rebuilt_in_place_one_it_holds_is_not()
     [got] = _sync(encoder, [decoder], model, "b")
     assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in model]
     moved = {name for name, ptr in where.items() if decoder.base[name].data.data_ptr() != ptr}
-    assert moved == {"master"}, moved  # only the held one got new memory
+    # only the held one got new memory, and the 0-d tensor (it goes raw: its old base stays in the
+    # undo journal, which the held one costs nothing)
+    assert moved == {"master", "scalar"}, moved
     assert kept.data_ptr() == where["master"]
 
 
@@ -400,7 +402,10 @@ def test_tensors_to_copy_go_through_one_reused_staging_buffer(monkeypatch: pytes
         for name, tensor in model:
             got.append(decoder.decode(*encoder.encode(name, tensor)))  # (a transport copies a raw one here)
             tensor.fill_(-1.0)  # the producer reuses its memory as soon as the tensor was taken
-            staging_ptrs.add(encoder._staging.buffer.data_ptr())
+            if step:  # (a full sync copies each tensor straight into its new base: nothing staged)
+                staging_ptrs.add(encoder._staging.buffer.data_ptr())
+            else:
+                assert encoder._staging.buffer is None
         encoder.commit()
         decoder.commit()
         assert [_digest(n, t) for n, t in got] == want, f"step {step}"
@@ -410,3 +415,71 @@ def test_tensors_to_copy_go_through_one_reused_staging_buffer(monkeypatch: pytes
     largest_staged = max(r * c * 2 for r, c in sizes if r * c * 2 <= 64 * 1024)
     assert encoder._staging.buffer.numel() == largest_staged
     assert len(staging_ptrs) <= 2  # grown once (40x30 first, then 128x100), then reused
+
+
+def _lazy_views(step: int) -> Model:
+    """Tensors the transports accept whose bytes only their byte view reads right: a conjugate view, a
+    negative-bit view, one-element tensors with a non-unit stride (0.5% of the values change per step)."""
+    gen = torch.Generator().manual_seed(61)
+    spins = torch.randn(4096, dtype=torch.complex64, generator=gen)
+    gains = torch.randn(64, 64, generator=gen)
+    spins[step::200] += step
+    gains.view(-1)[step::200] -= step
+    strided = torch.randn(1, 5, generator=gen) + step
+    return [
+        ("spins", spins.conj()),
+        ("gains", torch._neg_view(gains)),
+        ("bias", strided[:, 3]),  # shape (1,), stride (5,)
+        ("scale", strided[:, 1:2].t()),  # shape (1, 1), strides (1, 5)
+        ("gains_t", torch._neg_view(gains).t()),  # negative bit and not contiguous
+    ]
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_compare", "device_compare"])
+def test_conjugate_negative_bit_and_strided_one_element_tensors_sync_exactly(on_device: bool) -> None:
+    """Before the fix each of these failed every delta sync (``view`` of a conjugate or negative-bit
+    tensor, or of a one-element tensor whose stride is not 1, raises). Now they arrive as the transports'
+    byte view reads them, as deltas where few values changed."""
+    from verl_fastsync.chunks import byte_view
+
+    views = _lazy_views(0)
+    assert views[0][1].is_conj() and views[1][1].is_neg() and views[2][1].stride() == (5,)
+    encoder, decoders = DeltaEncoder(compare_on_device=on_device), [DeltaDecoder(), DeltaDecoder()]
+    for step in range(4):
+        model = _lazy_views(step)
+        got = _sync(encoder, decoders, model, f"v{step}")
+        for received in got:
+            for (name, tensor), (got_name, out) in zip(model, received, strict=True):
+                assert got_name == name and out.shape == tensor.shape and out.dtype == tensor.dtype
+                assert torch.equal(byte_view(out), byte_view(tensor)), f"step {step}: {name}"
+        if step:
+            assert encoder.stats.delta_sync and encoder.stats.delta_tensors == 3, encoder.stats
+
+
+def test_a_failed_delta_sync_with_a_consumer_holding_every_tensor_rolls_back_and_the_next_diffs() -> None:
+    """A consumer that holds what it was given (verl's SGLang adapter batches tensors before it loads
+    them; here it keeps them until the next sync ends): every base is held when the next delta sync
+    rebuilds it, so each goes to new memory. Before the fix the undo journal charged each held base at
+    its size, gave up past an eighth of the model, and a failed sync was followed by a full one. A held
+    base costs the journal nothing: the failed sync rolls back and the next one diffs again."""
+    gen = torch.Generator().manual_seed(29)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    model = _model(gen)
+    [kept] = _sync(encoder, [decoder], model, "a")
+    model = _step(model, gen, 0.02)
+    [kept] = _sync(encoder, [decoder], model, "b")  # (a's tensors are let go of once b's are kept)
+    assert encoder.stats.delta_sync
+    failing = _step(model, gen, 0.02)
+    [partial] = _sync(encoder, [decoder], failing[:7], "c", commit=False)  # fails after 7 tensors
+    assert decoder.stats.delta_tensors >= 4
+    encoder.settle()
+    decoder.settle()
+    assert encoder.epoch == decoder.epoch == "b" and decoder.rolled_back == 1
+    assert [_digest(n, t) for n, t in kept] == [_digest(n, t) for n, t in model]  # held: never written
+    del partial
+    later = _step(model, gen, 0.02)
+    [got] = _sync(encoder, [decoder], later, "d")
+    assert decoder.stats.delta_sync and decoder.stats.delta_tensors >= 4, decoder.stats
+    assert encoder.full_syncs == decoder.full_syncs == 1
+    assert [_digest(n, t) for n, t in got] == [_digest(n, t) for n, t in later]
+    assert [_digest(n, t) for n, t in kept] == [_digest(n, t) for n, t in model]

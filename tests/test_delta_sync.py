@@ -186,3 +186,69 @@ def test_a_rank_without_room_for_its_base_turns_delta_off_for_every_rank(tight: 
             assert own.startswith(f"{role}: keeping the delta base of"), own
             assert "less than 4.00 GiB free in this process's memory cgroup (a container's limit)" in own, own
             assert all(r == f"{rank}, {own}" for i, r in enumerate(reasons) if i != index), reasons
+
+
+LAZY = [
+    TensorSpec("rotary.spins", (3000,), "complex64", lazy="conj"),
+    TensorSpec("gate.gains", (40, 60), "float32", lazy="neg"),
+    TensorSpec("gate.gains_t", (60, 40), "bfloat16", noncontig=True, lazy="neg"),
+    TensorSpec("gate.bias", (1,), "bfloat16", lazy="strided"),
+    TensorSpec("gate.scale", (1, 1), "float32", lazy="strided"),
+]
+"""Tensors the transports accept whose bytes only their byte view reads right: conjugate and
+negative-bit views, one-element tensors with a non-unit stride."""
+
+
+@pytest.mark.timeout(900)
+def test_every_tensor_the_transports_accept_syncs_exactly_as_a_delta() -> None:
+    """Before the fix each tensor of :data:`LAZY` failed every delta sync (on the sender, before a byte
+    moved); a full sync (no delta) moved them. Now 3 delta syncs over gloo deliver them as the
+    transports' byte view reads them, the larger ones as deltas."""
+    model = LAZY
+    with _cluster("gloo") as cluster:
+        for step in range(3):
+            result = cluster.sync(model, 0, {"step": step})
+            want = sorted(expected_digests(model, 0, step))
+            for receiver in result["receivers"]:
+                assert sorted(tuple(d) for d in receiver["digests"]) == want, f"step {step}"
+            [sent] = [s["metrics"] for s in result["senders"]]
+            assert sent["fastsync/transfer/delta_sync"] == float(step > 0), sent
+            if step:  # the three large ones as deltas, the one-element ones as themselves
+                assert sent["fastsync/transfer/delta_tensors"] == 3, sent
+                assert sent["fastsync/transfer/delta_raw_tensors"] == 2, sent
+
+
+@pytest.mark.timeout(900)
+def test_a_holding_consumer_keeps_delta_syncs_after_a_failed_one() -> None:
+    """The consumer holds every tensor it was given until the next sync ends (as an adapter that
+    batches tensors before loading them keeps them), so each base is held when the next sync
+    rebuilds it. Before the fix the receiver's undo journal charged every held base at its size and
+    gave up, so a failed delta sync left it without a base and the next sync was full. Now the failed
+    sync rolls back on every rank and the next one diffs again, exact."""
+    hold = {"hold": True, "keep_held": True}
+    with _cluster("gloo", n_rollout=1) as cluster:
+
+        def synced(step: int) -> dict[str, float]:
+            result = cluster.sync(MODEL, 0, {"step": step}, hold)
+            [sent] = _check(result, step)
+            [received] = [r["metrics"] for r in result["receivers"]]
+            return {**{f"sender {k}": v for k, v in sent.items()}, **received}
+
+        synced(0)
+        assert synced(1)["fastsync/transfer/delta_sync"] == 1.0
+        cluster.build_process_group()
+        cluster.post(0, "send", MODEL, 0, {"step": 2})
+        cluster.post(1, "receive", hold | {"raise_after": 12})
+        trainer, rollout = cluster.wait_result(0), cluster.wait_result(1)
+        cluster.call_all("finalize")
+        assert rollout[0] == "err" and "consumer failed on purpose after 12 tensors" in rollout[1], rollout
+        assert trainer[0] == "err" and "aborted the sync" in trainer[1], trainer
+        for step in (3, 4):
+            metrics = synced(step)
+            for side in ("sender ", ""):
+                assert metrics[f"{side}fastsync/transfer/delta_sync"] == 1.0, (step, metrics)
+                assert metrics[f"{side}fastsync/transfer/delta_full_syncs"] == 1.0, (step, metrics)
+            assert (
+                metrics["sender fastsync/transfer/bytes"]
+                < 0.3 * metrics["fastsync/transfer/delta_model_bytes"]
+            )

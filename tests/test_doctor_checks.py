@@ -343,6 +343,7 @@ def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) ->
     assert problem is not None and "undo journal" in problem
     problem, note = _delta_memory(one_gpu, available=free + 5625)  # 5000 + 625
     assert problem is None and "every rollout rank" in note and "undo journal" in note
+    assert "a GPU trainer's page-locked, in just its pages, returned to the host when delta turns off" in note
     assert _delta_memory(one_gpu, available=5625)[0] is not None  # the bases fit, the reserve does not
     # verl's default: 8 rollout GPUs per host, each rank its own base
     problem, note = _delta_memory([model], available=free + 6000)

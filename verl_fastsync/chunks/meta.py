@@ -8,8 +8,9 @@ xxhash ``checksum`` (``int | None``, the only optional field).
 
 Errors are :class:`ChunkError` (a ``ValueError``) subclasses; non-tensor values raise ``TypeError``.
 Imports torch, numpy and msgspec only (no verl, no device runtime); :func:`validate_bucket_size` is
-:func:`verl_fastsync.limits.validate_bucket_size` (the one bucket-size rule, torch-free); nothing here
-knows the config or the plugin registry.
+:func:`verl_fastsync.limits.validate_bucket_size` (the one bucket-size rule, torch-free) and
+:func:`byte_view` is :func:`verl_fastsync.io.views.byte_view` (the one byte view of a tensor, shared
+with delta sync); nothing here knows the config or the plugin registry.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import msgspec
 import torch
 
-# the one bucket-size rule lives with the other torch-free rules (the config parser needs it too)
+# the one byte view of a tensor lives below the delta layer (a delta sync views tensors as the
+# transports do); the one bucket-size rule with the other torch-free rules (the config parser needs it)
+from verl_fastsync.io.views import byte_view
 from verl_fastsync.limits import validate_bucket_size
 
 try:  # numpy ships with every verl install; without it host copies fall back to torch
@@ -144,27 +147,6 @@ def check_tensor(name: object, tensor: object) -> torch.Tensor:
     if tensor.device.type == "meta":
         raise TypeError(f"weight {name!r} is on the meta device and has no data")
     return tensor
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of ``tensor``'s bytes, in row-major order.
-
-    Contiguous tensors are viewed without a copy; a non-contiguous tensor (or one with a lazy
-    conjugate/negative bit) is materialised once with ``.contiguous()``.
-    """
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
-    if tensor.is_neg():
-        tensor = tensor.resolve_neg()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() <= 1 and flat.stride(0) != 1:
-        # 0/1-element tensors count as contiguous whatever their stride; give them a unit stride
-        flat = flat.as_strided((flat.numel(),), (1,))
-    if flat.dtype == torch.uint8:
-        return flat
-    return flat.view(torch.uint8)
 
 
 def leading_slice_bytes(tensor: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ from typing import Final
 import torch
 
 from verl_fastsync.delta.codec import Patch
+from verl_fastsync.delta.hostmem import footprint
 from verl_fastsync.io.lending import Lease
 
 __all__ = ["UNDO_FRACTION", "Base", "UndoJournal"]
@@ -30,6 +31,13 @@ class Base:
     """Flat ``uint8`` host bytes."""
     lease: Lease | None = None
     """A receiver's: what the consumer was given of :attr:`data` (while active, never written)."""
+    page_locked: bool = False
+    """:attr:`data` was asked for page-locked (:func:`~verl_fastsync.delta.hostmem.host_buffer`)."""
+
+    @property
+    def taken(self) -> int:
+        """Host bytes :attr:`data` takes, as the memory guard counts them."""
+        return footprint(self.data.numel(), self.page_locked)
 
     def writable(self) -> bool:
         """The consumer holds nothing of this base: the next sync may rebuild it in place."""

@@ -9,13 +9,14 @@ Why: the host compare (:mod:`verl_fastsync.delta.compare`) is bound by finding t
 (``flatnonzero`` of the mask is most of it) and ran at 0.63-0.81 s per GiB on a 16-core H200 host with 4
 threads, against 0.86 s for a whole GiB on a 10 Gbit/s link: delta barely paid. A GPU finds them in a
 few milliseconds; what is left is the two copies of the bytes between host and device (page-locked
-bases: :func:`pinned_copy`) and the digest. Same run on that host, a GiB at lr 1e-6: 0.21-0.52 s per
+bases: :func:`base_copy`) and the digest. Same run on that host, a GiB at lr 1e-6: 0.21-0.52 s per
 encode here, 0.57-0.83 s with the host compare.
 
 The encoding is the one :func:`~verl_fastsync.delta.codec.encode` builds from the same bytes, byte for
 byte (the tests compare them), so a receiver cannot tell which side compared. The code is plain torch:
-on a CPU tensor it runs on the CPU too (how the tests check it without a GPU). Imports numpy, torch
-and the other ``verl_fastsync.delta`` modules only.
+on a CPU tensor it runs on the CPU too (how the tests check it without a GPU). Imports numpy, torch,
+the other ``verl_fastsync.delta`` modules and the transports' byte view
+(:func:`~verl_fastsync.io.views.byte_view`) only.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from verl_fastsync.delta.compare import (
     sample_changed_says_raw,
     sample_stride,
 )
+from verl_fastsync.delta.hostmem import host_buffer
+from verl_fastsync.io.views import byte_view, viewed_in_place
 
-__all__ = ["CHUNK_BYTES", "STAGING_MAX", "Staging", "encode_on_device", "host_bytes", "pinned_copy"]
+__all__ = ["CHUNK_BYTES", "STAGING_MAX", "Staging", "base_copy", "encode_on_device", "host_bytes"]
 
 CHUNK_BYTES: Final = 64 << 20
 """Bytes of base brought to the device at a time: the device memory this costs is about twice it (the
@@ -77,8 +80,7 @@ def encode_on_device(
     if not 0.0 <= max_ratio <= 1.0:
         raise DeltaError(f"max_ratio must be in [0, 1], got {max_ratio}")
     old = as_bytes(base)
-    flat = new.detach().contiguous().reshape(-1)
-    flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=new.device)
+    flat = byte_view(new.detach()) if new.numel() else torch.empty(0, dtype=torch.uint8, device=new.device)
     if old.size != flat.numel():
         raise DeltaError(f"base has {old.size} bytes, new has {flat.numel()}: a delta needs equal lengths")
     if not old.flags.writeable:
@@ -172,16 +174,15 @@ def _host(tensor: torch.Tensor) -> np.ndarray:
 
 
 def host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``tensor``'s bytes as a flat contiguous ``uint8`` CPU tensor, and whether that is a copy (a
-    device tensor or a non-contiguous one) rather than a view of ``tensor``'s memory."""
+    """``tensor``'s bytes as the transports see them (:func:`~verl_fastsync.io.views.byte_view`:
+    conjugate and negative-bit views resolved) in a flat ``uint8`` CPU tensor, and whether that is a
+    copy (a device tensor, a non-contiguous one, a lazily conjugated or negated one) rather than a
+    view of ``tensor``'s memory."""
     data = tensor.detach()
-    copied = data.device.type != "cpu" or not data.is_contiguous()
-    if data.device.type != "cpu":
-        data = data.to("cpu")
-    data = data.contiguous().reshape(-1)
     if data.numel() == 0:
         return torch.empty(0, dtype=torch.uint8), True
-    return (data if data.dtype == torch.uint8 else data.view(torch.uint8)), copied
+    copied = data.device.type != "cpu" or not viewed_in_place(data)
+    return byte_view(data).to("cpu"), copied
 
 
 STAGING_MAX: Final = 512 << 20
@@ -192,43 +193,46 @@ class Staging:
     """The sender's one reusable host buffer for a tensor that must be copied before it is compared (a
     device tensor, a non-contiguous one). A fresh host tensor per tensor pays its page faults every
     sync: on an H200 host a GiB of bf16 took 0.60 s into fresh pageable memory, 0.064 s into a reused
-    pageable buffer and 0.020 s into a reused pinned one. Pinned when CUDA is available; as large as
-    the largest tensor staged so far, at most :data:`STAGING_MAX`; what it holds is valid until the next
-    tensor is staged (nothing keeps it: a base keeps a copy)."""
+    pageable buffer and 0.020 s into a reused pinned one. Page-locked when ``page_locked`` says so
+    (None: when CUDA is available) and the host allows it, else pageable
+    (:func:`~verl_fastsync.delta.hostmem.host_buffer`); as large as the largest tensor staged so far,
+    at most :data:`STAGING_MAX`; what it holds is valid until the next tensor is staged (nothing keeps
+    it: a base keeps a copy)."""
 
-    def __init__(self) -> None:
+    def __init__(self, page_locked: bool | None = None) -> None:
         self.buffer: torch.Tensor | None = None
+        self.page_locked = page_locked
 
     def host_bytes(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """As :func:`host_bytes`, but a copy goes into the staging buffer when it fits (then the
         second value is False: the bytes are not this caller's to keep)."""
         data = tensor.detach()
         nbytes = data.numel() * data.element_size()
-        if (data.device.type == "cpu" and data.is_contiguous()) or not 0 < nbytes <= STAGING_MAX:
+        if not 0 < nbytes <= STAGING_MAX or (data.device.type == "cpu" and viewed_in_place(data)):
             return host_bytes(data)
         buffer = self.buffer
         if buffer is None or buffer.numel() < nbytes:
             self.buffer = None  # (the old one goes before the new one is made)
-            buffer = self.buffer = torch.empty(
-                nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-            )
+            pinned = torch.cuda.is_available() if self.page_locked is None else self.page_locked
+            buffer = self.buffer = host_buffer(nbytes, pinned)
         staged = buffer[:nbytes]
+        # byte_view's bytes, copied straight in (conjugate and negative bits resolve in the copy)
         staged.view(data.dtype).reshape(data.shape).copy_(data)  # (synchronous from a device)
         return staged, False
 
+    def release(self) -> None:
+        """Gives the buffer back to the host (delta sync turned off: nothing is staged any more)."""
+        self.buffer = None
 
-def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes in new page-locked host memory (flat ``uint8``): the base of a tensor compared
-    on its device crosses host <-> device every sync, and page-locked memory crosses about 3x faster (512
-    MiB bf16 at 4% changed encoded in 0.30-0.48 s from a pageable base, 0.15 s from a pinned one, on an
-    H200). Where page-locked memory is refused (a memlock limit), pageable memory does, slower."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    if not nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    try:
-        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:
-        out = torch.empty(nbytes, dtype=torch.uint8)
-    out.copy_(flat.view(torch.uint8))
+
+def base_copy(tensor: torch.Tensor, page_locked: bool) -> torch.Tensor:
+    """``tensor``'s bytes in new host memory (flat ``uint8``) to keep as its base: page-locked when
+    ``page_locked`` and the host allows it (:func:`~verl_fastsync.delta.hostmem.host_buffer`), else
+    pageable. The base of a tensor compared on its device crosses host <-> device every sync, and
+    page-locked memory crosses about 3x faster (512 MiB bf16 at 4% changed encoded in 0.30-0.48 s from
+    a pageable base, 0.15 s from a pinned one, on an H200)."""
+    data = tensor.detach()
+    out = host_buffer(data.numel() * data.element_size(), page_locked)
+    if out.numel():  # byte_view's bytes, copied straight in (conjugate and negative bits resolve)
+        out.view(data.dtype).reshape(data.shape).copy_(data)
     return out

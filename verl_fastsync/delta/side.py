@@ -186,11 +186,13 @@ class Side:
 
     def _journal_replaced(self, name: str, old: Base | None) -> bool:
         """Keeps ``old`` (replaced under ``name``) in the journal if it fits; False when there is no
-        journal (any more)."""
+        journal (any more). A base the consumer still holds costs the journal nothing: its memory
+        stays taken by the consumer anyway (so a consumer that batches tensors before loading them,
+        as verl's SGLang adapter does, does not cost a failed sync its roll-back)."""
         journal = self._journal
         if journal is None:
             return False
-        if not journal.room(0 if old is None else old.data.numel()):
+        if not journal.room(0 if old is None or not old.writable() else old.data.numel()):
             self._journal = None
             return False
         journal.replaced[name] = old

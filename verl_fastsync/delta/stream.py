@@ -27,9 +27,12 @@ and the next sync is full (a half-updated base is never used). Tensors not sent 
 base when the sync ends (a tensor removed from the model).
 
 **Memory.** The base is the model's bytes in host memory on the sending rank (its share, with several
-senders; page-locked for CUDA tensors compared on the device, :mod:`~verl_fastsync.delta.device`) and
-on every receiving rank, plus the undo journal during a delta sync (at most :data:`UNDO_FRACTION` of
-it) and, on the sender, one staging buffer (:class:`~verl_fastsync.delta.device.Staging`). A receiver
+senders; page-locked for CUDA tensors of 1 MiB or more compared on the device,
+:mod:`~verl_fastsync.delta.device`: each such base a registration of just its pages, counted at that and
+returned to the host when the base is dropped, pageable where pinning is refused,
+:mod:`~verl_fastsync.delta.hostmem`) and on every receiving rank, plus the undo journal during a delta
+sync (at most :data:`UNDO_FRACTION` of it) and, on the sender, one staging buffer
+(:class:`~verl_fastsync.delta.device.Staging`). A receiver
 lends the consumer a view of the base it rebuilt; a base the consumer still holds is never
 written again (the next sync rebuilds that tensor into new memory and drops the old one), a base it
 let go of is rebuilt in place. So the consumer may hold what it was given for as long as it likes. A
@@ -63,10 +66,12 @@ from verl_fastsync.delta.codec import (
     decode_in_place,
     encode,
 )
-from verl_fastsync.delta.device import Staging, encode_on_device, host_bytes, pinned_copy
+from verl_fastsync.delta.device import Staging, base_copy, encode_on_device, host_bytes
+from verl_fastsync.delta.hostmem import PAGE_LOCK_MIN, footprint
 from verl_fastsync.delta.room import Room
 from verl_fastsync.delta.side import DeltaStats, DeltaSyncError, Side
 from verl_fastsync.io.lending import lend
+from verl_fastsync.io.views import byte_view
 
 __all__ = [
     "DELTA_PREFIX",
@@ -136,16 +141,21 @@ class DeltaEncoder(Side):
         max_ratio: float = DEFAULT_MAX_RATIO,
         compare_on_device: bool | None = None,
         room: Room | None = None,
+        page_locked: bool | None = None,
     ) -> None:
         super().__init__(room)
         self.max_ratio = max_ratio
         self.compare_on_device = compare_on_device
         """Compare a tensor with its base on the tensor's device (:func:`encode_on_device`) rather than
         on the host; None: for a tensor that is not on the CPU (the tests force it on CPU tensors)."""
+        self.page_locked = page_locked
+        """Keep bases (and stage copies) in page-locked host memory where the host allows it; None:
+        the base of a CUDA tensor of at least 1 MiB compared on its device, and the staging buffer when
+        CUDA is available (the tests force it on CPU tensors)."""
         self.device_fallbacks = 0
         """Tensors compared on the host because the compare on their device ran out of device memory
         (the first one is logged)."""
-        self._staging = Staging()
+        self._staging = Staging(page_locked)
 
     def encode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """What to send for ``name`` (see the module docstring); the base holds ``tensor``'s bytes after."""
@@ -161,6 +171,7 @@ class DeltaEncoder(Side):
         self.stats.model_bytes += nbytes
         held = self.base.get(name)
         if self.passing:
+            self._staging.release()  # (delta is off: nothing is staged any more)
             return self._raw(name, tensor)
         if (
             self._against is None
@@ -170,10 +181,11 @@ class DeltaEncoder(Side):
             or held.data.numel() != nbytes
         ):
             self._journal_replaced(name, held)
-            if not self.make_room(name, nbytes - (0 if held is None else held.data.numel())):
+            pinned = self._pins(tensor)
+            if not self.make_room(name, footprint(nbytes, pinned) - (0 if held is None else held.taken)):
                 self.base.pop(name, None)  # (delta is off: no base is kept from here)
                 return self._raw(name, tensor)
-            self.base[name] = Base(tensor.dtype, shape, self._new_base(tensor))
+            self.base[name] = Base(tensor.dtype, shape, base_copy(tensor, pinned), page_locked=pinned)
             return self._raw(name, tensor)
         width = _width(tensor)
         delta = self._sparse_delta(name, tensor, held, width)
@@ -213,9 +225,12 @@ class DeltaEncoder(Side):
             else:
                 if delta is None:  # the base is as it was: keep it in the journal, or copy the new bytes in
                     if undo and self._journal_replaced(name, held):
-                        self.base[name] = Base(tensor.dtype, held.shape, self._new_base(tensor))
+                        pinned = held.page_locked
+                        self.base[name] = Base(
+                            tensor.dtype, held.shape, base_copy(tensor, pinned), page_locked=pinned
+                        )
                     elif held.data.numel():
-                        held.data.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+                        held.data.copy_(byte_view(tensor.detach()))
                 return delta
         new, copied = self._staging.host_bytes(tensor)
         found = encode(held.data, new, width, max_ratio=self.max_ratio, update_base=True, undo=undo)
@@ -223,7 +238,9 @@ class DeltaEncoder(Side):
             return found
         if undo:  # the base is as it was: keep it in the journal, or write the new bytes into it
             if self._journal_replaced(name, held):
-                self.base[name] = Base(tensor.dtype, held.shape, new if copied else new.clone())
+                pinned = held.page_locked  # (fresh memory is the new base as it is, where it may be)
+                data = new if copied and not pinned else base_copy(new, pinned)
+                self.base[name] = Base(tensor.dtype, held.shape, data, page_locked=pinned)
             else:
                 held.data.copy_(new)
         return None
@@ -231,13 +248,14 @@ class DeltaEncoder(Side):
     def _on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type != "cpu" if self.compare_on_device is None else self.compare_on_device
 
-    def _new_base(self, tensor: torch.Tensor) -> torch.Tensor:
-        """New host memory holding ``tensor``'s bytes, to keep as its base: page-locked for a CUDA
-        tensor compared on its device (the base crosses to the device every sync), else pageable."""
-        if tensor.device.type == "cuda" and self._on_device(tensor):
-            return pinned_copy(tensor)
-        new, copied = self._staging.host_bytes(tensor)
-        return new if copied else new.clone()
+    def _pins(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s base is page-locked: the base of a CUDA tensor of at least
+        :data:`~verl_fastsync.delta.hostmem.PAGE_LOCK_MIN` bytes compared on its device crosses to the
+        device every sync (:attr:`page_locked` decides when set)."""
+        if self.page_locked is not None:
+            return self.page_locked
+        big = tensor.numel() * tensor.element_size() >= PAGE_LOCK_MIN
+        return big and tensor.device.type == "cuda" and self._on_device(tensor)
 
     def _raw(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """``tensor`` goes as itself (its base was set by the caller)."""

@@ -279,7 +279,8 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
     need = ranks * one
     note = (
         f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes in host memory on the sending trainer "
-        f"rank and on every rollout rank: about {size / gib:.2f} GiB each (the checkpoint at {path}), "
+        f"rank and on every rollout rank: about {size / gib:.2f} GiB each (the checkpoint at {path}; a "
+        "GPU trainer's page-locked, in just its pages, returned to the host when delta turns off), "
         f"up to an eighth more during a delta sync (its undo journal); {per_host}, about "
         f"{need / gib:.2f} GiB; {have}"
     )
