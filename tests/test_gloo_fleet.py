@@ -22,6 +22,7 @@ pytestmark = pytest.mark.verl
 TIMEOUT_S = 60  # every rank's timeout_s: the old code waited it out
 BOUND_S = 15  # "at once" on a loaded 2-core host: far below TIMEOUT_S, far above the ~0.1 s it takes
 MODEL = [TensorSpec(f"layer{i}.w", (900,), "float32") for i in range(12)]  # one tensor per 4 KiB bucket
+STALL_S = 30  # the trainer's busy producer in the exit test
 CAUSE = "the consumer failed: LoadError: load_weights failed on purpose at tensor 4"
 
 RECEIVE = """
@@ -165,16 +166,25 @@ def test_a_rank_that_dies_mid_sync_ends_every_other_rank_at_once(victim: str) ->
 
 @pytest.mark.timeout(12 * TIMEOUT_S)
 def test_a_failed_receive_never_delays_process_exit() -> None:
-    """After a failed sync the rollout process exits at once: its receive thread is not left blocked
-    in gloo until ``timeout_s`` (the old code: ~61 s with ``timeout_s=60``)."""
+    """The rollout's adapter fails while the trainer's producer is busy for 30 s (a slow gather): the
+    rollout's receive thread waits for the next bucket's header. The old code left that thread
+    blocked in gloo (``abort()`` closes nothing and the trainer, alive and still holding the group,
+    sends nothing) and the process's exit waited for it: until the trainer's next bucket or
+    ``timeout_s``. Now the rollout frees it at once: its process exits within moments, and the
+    trainer, once its producer returns, fails with the rollout's cause."""
     with _cluster(1) as cluster:
-        _start_sync(cluster, 5, {0: {"fail_at": 4}})
-        results = [cluster.wait(i) for i in range(2)]
-        assert [r["status"] for r in results] == ["err", "err"], results
-        for i in (1, 0):  # the failed rollout first, then the trainer
-            started = time.monotonic()
-            cluster.post(i, "exit")
-            cluster.procs[i].join(timeout=3 * TIMEOUT_S)
-            seconds = time.monotonic() - started
-            print(f"gloo: {cluster.labels[i]} exited {seconds:.2f}s after a failed sync")
-            assert not cluster.procs[i].is_alive() and seconds < 10, f"{cluster.labels[i]}: {seconds:.1f}s"
+        cluster.build_process_group()
+        cluster.post(0, "exec", SEND.format(specs=MODEL, seed=5, extra={"delay_s": {6: STALL_S}}))
+        cluster.post(1, "exec", RECEIVE.format(kw=repr({"fail_at": 4})))
+        rollout = cluster.wait(1)
+        assert rollout["status"] == "err" and rollout["error"].startswith("LoadError"), rollout
+        held = _exec(cluster, 1, HELD.format(settle=1.0))
+        assert held["threads"] == [] and held["sockets"] == 0, held
+        started = time.monotonic()
+        cluster.post(1, "exit")
+        cluster.procs[1].join(timeout=3 * TIMEOUT_S)
+        seconds = time.monotonic() - started
+        print(f"gloo: the failed rollout's process exited {seconds:.2f}s after its exit was asked")
+        assert not cluster.procs[1].is_alive() and seconds < 10, f"exit took {seconds:.1f}s"
+        trainer = cluster.wait(0)
+        assert trainer["status"] == "err" and f"rollout rank 0 aborted the sync: {CAUSE}" in trainer["error"]
