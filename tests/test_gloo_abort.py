@@ -1,16 +1,18 @@
 """gloo sender abort: one ``timeout_s`` in all, never one per pending wait.
 
-The sender's abort path waits for both slots, posts an abort and waits for it. Each wait used to get
+The sender's abort path used to wait for both slots, post an abort and wait for it, each wait with
 its own full ``timeout_s`` (every work of a slot too), so a receiver that is alive but slow took the
-sender up to (slots + 1) x ``timeout_s`` to fail. Now the waits of a group share one deadline: the
-abort path as a whole, a slot's works, a received bucket's metadata and payload.
+sender up to (slots + 1) x ``timeout_s`` to fail. Now the sender publishes its cause on the group's
+abort channel and closes the group at once (``tests/test_gloo_fleet.py`` covers what the receivers
+then see), and the waits of a group share one deadline: a slot's works, a received bucket's
+metadata and payload.
 
 * :func:`test_gloo_sender_abort_ends_within_one_timeout`: a real 1-sender/1-receiver gloo pair in
   spawned processes. The receiver's consumer stalls after its first tensor for most of
   ``timeout_s`` (so the sender's last two buckets stay pending) and, once it has taken them, stalls
-  again for long (so the abort is never received). The producer raises in between. The sender must
-  fail with the producer's error within ``timeout_s`` + a margin of the raise; the old code took the
-  first stall plus a whole fresh ``timeout_s`` for the abort message.
+  again for long. The producer raises in between. The sender must fail with the producer's error
+  within ``timeout_s`` + a margin of the raise; the old code took the first stall plus a whole fresh
+  ``timeout_s`` for the abort message.
 * :func:`test_slot_works_share_one_deadline`: works that each finish just inside ``timeout_s`` of
   the previous one (no processes): one deadline for the slot, not one per work.
 """

@@ -36,9 +36,15 @@ the sync only; the next sync reuses them while the peers are the same:
   stays: it holds no buffer; the bucket size is per rank and may be overwritten by the caller after
   :meth:`build_topology`, so it never takes part in the group decision).
 * A failed sync (any error in ``send``/``receive``/``init_process_group``), a sync left unfinished
-  (works still posted, no end seen) or :meth:`~GlooTransport.release` aborts the group and drops the
-  store and the buffers (an aborted group is unusable); the next :meth:`prepare` of trainer rank 0
-  opens a new store and everybody builds a new group.
+  (works still posted, no end seen) or :meth:`~GlooTransport.release` closes the group and drops the
+  store and the buffers; the next :meth:`prepare` of trainer rank 0 opens a new store and everybody
+  builds a new group.
+
+**Failures** (:mod:`~verl_fastsync.transports.gloo_abort`): a failing rank publishes its cause on the
+group's abort channel (the first cause wins) and shuts down the group's connections; every wait goes
+in slices of 0.1 s and reads the channel between them. So one rank's failure ends the sync on every
+rank at once with the first cause, a failed side frees its threads, sockets and buffers at once, and
+``timeout_s`` is only for a peer gone silent.
 * Cost between syncs: two buckets per side (a receiver that lends, the default, keeps one spare
   bucket more, see :mod:`verl_fastsync.io.lending`), the group's sockets and threads (idle), the
   store.
@@ -63,6 +69,7 @@ import torch.distributed as dist
 
 from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers, default_host
 from verl_fastsync.transports.buffered import BufferedTransport
+from verl_fastsync.transports.gloo_abort import AbortChannel, GroupSockets, connected_sockets, let_go_later
 from verl_fastsync.wire import (
     WIRE_SCHEMA_VERSION,
     Abort,
@@ -83,14 +90,10 @@ _DEVICES = 2
 _PARTS = 4
 _MIN_PART = 1 << 20
 _MIN_WAIT_S = 0.01  # a zero timedelta means "no timeout" to Work.wait: never pass less than this
+# a blocked wait reads the abort channel this often (one store round trip per waiting rank); a wait
+# that ends sooner costs nothing (Work.wait returns the moment the broadcast completes)
+_POLL_S = 0.1
 _PREFIX = "fastsync-gloo"
-
-
-def _let_go(group: Any) -> None:
-    """Run on its own thread: the caller's reference to ``group`` is the last one and is dropped
-    when this returns (``Thread.run`` deletes its arguments on the thread), so the group's
-    destructor waits there (see :meth:`GlooTransport._drop_group`)."""
-    del group
 
 
 def _parts(payload: torch.Tensor) -> list[torch.Tensor]:
@@ -120,6 +123,9 @@ class GlooTransport(BufferedTransport):
         # (epoch, rank, world size, store address, store port, data host) of the group in self._pg
         self._key: tuple[str, int, int, str, int, str] | None = None
         self._mid_sync = False  # broadcasts posted and the sync's end not yet reached
+        self._channel: AbortChannel | None = None  # the group's abort channel (gloo_abort)
+        self._sockets = GroupSockets({})
+        self._stop = threading.Event()  # set: the receive thread of this group gives up at once
         self._synced = False  # a whole sync (to its end) ran on the group since init_process_group
         self.groups_built = 0
         """Process groups this transport built (for tests and figures: reuse keeps it constant)."""
@@ -200,7 +206,7 @@ class GlooTransport(BufferedTransport):
             raise TransportError(
                 "gloo transport: init_process_group needs gloo_group (use GlooTransport.build_topology)"
             )
-        self._peer = f"trainer rank 0 at {addr}:{port}"
+        self._peer = f"{self.label(0)} at {addr}:{port}"
         self.inflight.phase = "connect"
         if self._unclean():
             self._close()  # never reuse a group with broadcasts of an unfinished sync on it
@@ -230,8 +236,8 @@ class GlooTransport(BufferedTransport):
                 raise TransportError("gloo transport: init_process_group on trainer rank 0 before prepare()")
             if int(self._store.add(f"{_PREFIX}-claims/{epoch}/{rank}", 1)) != 1:
                 raise TransportError(
-                    f"gloo transport, {self.role} rank {rank}: group {epoch} was already built with "
-                    f"rank {rank} (this process restarted or was handed a stale topology); call "
+                    f"{self.me}: group {epoch} was already built with this rank (transfer rank "
+                    f"{rank}: this process restarted or was handed a stale topology); call "
                     "prepare() on every rank and build_topology again"
                 )
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -246,30 +252,45 @@ class GlooTransport(BufferedTransport):
                 for _ in range(_DEVICES)
             ]
             opts._threads = 2 * _PARTS
+            before = connected_sockets()
             self._pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(f"{_PREFIX}/{epoch}", self._store), rank, self.world_size, opts
             )
+            opened = {fd: link for fd, link in connected_sockets().items() if before.get(fd) != link}
+            self._sockets = GroupSockets.exchange(
+                self._store,
+                f"{_PREFIX}-sockets/{epoch}",
+                rank,
+                self.world_size,
+                opened,
+                self.options.timeout_s,
+            )
         except RuntimeError as exc:
             raise self._wrap(exc, "the process group (all ranks)") from exc
+        self._channel = AbortChannel(self._store, f"{_PREFIX}-abort/{epoch}")
+        self._stop = threading.Event()
         self._key = key
         self.groups_built += 1
 
     def _drop_group(self) -> None:
-        """Abort the group (the store stays).
+        """Close the group (the store stays).
 
-        Aborting closes the group's connections (the peers' broadcasts fail at once), but a receive
-        thread blocked in a broadcast stays blocked until that broadcast's own timeout, and the
-        group's destructor joins gloo's threads, so it waits as long (measured: the whole
-        ``timeout_s``). The last reference is therefore let go on a short-lived daemon thread, never
-        on the caller's (the event loop's) thread."""
+        gloo's ``abort()`` closes nothing: the group's connections are shut down here (see
+        :mod:`~verl_fastsync.transports.gloo_abort`), which fails every broadcast posted on it at once,
+        here and on the peers, and frees gloo's threads; a receive thread of this group stops at its
+        next wait slice. The group's destructor joins gloo's threads: the last reference is still let
+        go on a short-lived daemon thread, never on the caller's (the event loop's) thread."""
         pg, self._pg = self._pg, None
         self._key = None
+        self._channel = None  # it holds the store (on a receiver, its connection to trainer rank 0)
+        self._stop.set()
+        sockets, self._sockets = self._sockets, GroupSockets({})
+        try:
+            sockets.shutdown()
+        except Exception:  # pragma: no cover - best effort: /proc unreadable
+            pass
         if pg is not None:
-            try:
-                pg.abort()
-            except Exception:  # pragma: no cover
-                pass
-            threading.Thread(target=_let_go, args=(pg,), name="fastsync-gloo-release", daemon=True).start()
+            let_go_later(pg)
             del pg
 
     def _end_sync(self) -> None:
@@ -292,67 +313,78 @@ class GlooTransport(BufferedTransport):
         self._mid_sync = False
         self._synced = False
 
-    def _wrap(self, exc: BaseException, peer: str) -> TransportError:
-        aborted = self._peer_abort()
+    def _wrap(self, exc: BaseException, peer: str, channel: AbortChannel | None = None) -> TransportError:
+        """The error for a failed gloo call: the group's first cause when a rank published one (a
+        failing rank publishes before it closes the sockets whose closing failed this call)."""
+        aborted = self._published(channel or self._channel)
         if aborted is not None:
             return aborted
         text = str(exc)
+        first = text.splitlines()[0] if text else ""
         if "imed out" in text or "timeout" in text.lower():
-            return self._timeout_error(peer, text.splitlines()[0] if text else "")
+            return self._timeout_error(peer, first)
+        rank = self._sockets.rank_of(first)
+        if rank is not None:
+            peer = f"{peer} (the connection to {self.label(rank)} closed)"
         return TransportError(
-            f"gloo transport, {self.role} rank {self.rank}: {type(exc).__name__} talking to {peer}: "
-            f"{text.splitlines()[0] if text else ''}; {self.inflight.describe()}"
+            f"{self.me}: {type(exc).__name__} talking to {peer}: {first}; {self.inflight.describe()}"
         )
 
-    def _abort_key(self, rank: int) -> str:
-        epoch = self._key[0] if self._key is not None else "?"
-        return f"{_PREFIX}-abort/{epoch}/{rank}"
-
-    def _peer_abort(self) -> TransportError | None:
-        """Sender: the reason a receiver left its ``Abort`` under on the store before it left the
-        group (its sockets then close, and this side's broadcast fails at once), as the error."""
-        store = self._store
-        if self.rank != 0 or store is None or self._key is None:
+    def _published(self, channel: AbortChannel | None) -> TransportError | None:
+        """The cause another rank published on the group's abort channel, as this side's error."""
+        if channel is None:
             return None
-        for rank in range(1, self.world_size):
-            key = self._abort_key(rank)
-            try:
-                if not store.check([key]):
-                    continue
-                message = decode(store.get(key), peer=f"rollout rank {rank}")
-            except Exception:  # pragma: no cover - the store went away: no reason to give
-                return None
-            if isinstance(message, Abort):
-                return self._abort_error(f"rollout rank {rank}", message.reason)
-        return None
+        try:
+            message = channel.read()
+        except Exception as exc:  # the store lives in trainer rank 0's process
+            return TransportError(
+                f"{self.me}: lost {self.label(0)}: the group's store stopped answering "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                f"{self.inflight.describe()}"
+            )
+        if message is None or message.rank == self.rank:
+            return None
+        return self._abort_error(self.label(message.rank), message.reason)
 
-    def _broadcast(self, tensor: torch.Tensor, deadline: float | None = None, group: Any = None) -> Any:
-        """Post one broadcast on ``group`` (default: the current one). gloo gives up on it
-        ``timeout_s`` after it starts, or at ``deadline``: closing the group waits for every posted
-        broadcast to end, so an abort posted late in its budget must not outlive that budget."""
+    def _broadcast(self, tensor: torch.Tensor, group: Any = None) -> Any:
+        """Post one broadcast on ``group`` (default: the current one); gloo gives up on it
+        ``timeout_s`` after it starts."""
         pg = self._pg if group is None else group
         if pg is None:
-            raise TransportError(f"gloo transport, {self.role} rank {self.rank}: the group was closed")
+            raise TransportError(f"{self.me}: the group was closed")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        if deadline is None:
-            opts.timeout = self._td()
-        else:
-            opts.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), _MIN_WAIT_S))
+        opts.timeout = self._td()
         return pg.broadcast([tensor], opts)
 
-    def _wait(self, work: Any, peer: str, deadline: float) -> None:
-        """Wait for ``work`` until ``deadline`` (:func:`time.monotonic`): only the time left of a
-        budget shared with the other waits of the group, never a fresh ``timeout_s`` per work."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 and not work.is_completed():
-            raise self._peer_abort() or self._timeout_error(peer)
-        try:
-            ok = work.wait(datetime.timedelta(seconds=max(remaining, _MIN_WAIT_S)))
-        except RuntimeError as exc:
-            raise self._wrap(exc, peer) from exc
-        if ok is False:
-            raise self._peer_abort() or self._timeout_error(peer)
+    def _wait(
+        self,
+        work: Any,
+        peer: str,
+        deadline: float,
+        channel: AbortChannel | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Wait for ``work`` until ``deadline`` (:func:`time.monotonic`, a budget shared with the
+        other waits of the group) in slices of ``_POLL_S`` (an expired ``Work.wait`` leaves the
+        broadcast running), reading the group's abort channel and ``stop`` between slices."""
+        channel = channel or self._channel
+        stop = stop or self._stop
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and not work.is_completed():
+                raise self._published(channel) or self._timeout_error(peer)
+            try:
+                if work.wait(datetime.timedelta(seconds=max(min(remaining, _POLL_S), _MIN_WAIT_S))):
+                    return
+            except RuntimeError as exc:
+                if "Operation timed out" not in str(exc):
+                    raise self._wrap(exc, peer, channel) from exc
+            if stop.is_set():
+                raise TransportError(f"{self.me}: this side closed the group (its sync failed)")
+            aborted = self._published(channel)
+            if aborted is not None:
+                raise aborted
 
     # -- sender ------------------------------------------------------------------------------
 
@@ -369,21 +401,14 @@ class GlooTransport(BufferedTransport):
         self._slot_works[slot] = []
         self._keep[slot] = []
 
-    def _post(
-        self,
-        slot: int,
-        kind: int,
-        message: Message,
-        payload: torch.Tensor | None,
-        deadline: float | None = None,
-    ) -> None:
+    def _post(self, slot: int, kind: int, message: Message, payload: torch.Tensor | None) -> None:
         meta = torch.frombuffer(bytearray(encode(message)), dtype=torch.uint8)
         nbytes = 0 if payload is None else payload.numel()
         header = torch.tensor([_MAGIC, WIRE_SCHEMA_VERSION, kind, meta.numel(), nbytes], dtype=torch.int64)
         self._mid_sync = True
-        works = [self._broadcast(header, deadline), self._broadcast(meta, deadline)]
+        works = [self._broadcast(header), self._broadcast(meta)]
         if payload is not None and nbytes:
-            works.extend(self._broadcast(part, deadline) for part in _parts(payload))
+            works.extend(self._broadcast(part) for part in _parts(payload))
         self._slot_works[slot] = works
         self._keep[slot] = [header, meta]
 
@@ -397,25 +422,22 @@ class GlooTransport(BufferedTransport):
         self._synced = True
 
     def _post_abort(self, message: Abort) -> None:
-        if self.rank != 0:
-            # a receiver leaves the group on close and the sender's broadcasts then fail at once;
-            # the reason goes on the store first, where the sender looks when they fail
-            if self._store is not None and self._key is not None and self.rank is not None:
-                try:
-                    self._store.set(self._abort_key(self.rank), encode(message))
-                except Exception:  # pragma: no cover - best effort: the store is the sender's
-                    pass
+        """Publish this side's cause on the group's abort channel (the first cause wins) before the
+        group is closed: every rank, blocked in a broadcast or failing when the sockets close, reads
+        it there. Nothing is broadcast: the group is failing, and a broadcast may wait."""
+        channel = self._channel
+        if channel is None or self._key is None:
             return
-        if self._pg is None:
-            return
-        deadline = self._deadline()  # the whole abort path: one timeout_s, however much is pending
         try:
-            for slot in (0, 1):
-                self._wait_slot_free(slot, deadline)
-            self._post(0, _KIND_ABORT, message, None, deadline)  # gloo drops it at the deadline too
-            self._wait_slot_free(0, deadline)
-        except Exception:
+            channel.publish(message)
+        except Exception:  # pragma: no cover - the store is gone: the closing sockets tell the peers
             pass
+
+    def _interrupt_receive(self) -> bool:
+        """The receive thread stops at its next wait slice; closing the sockets fails its broadcast
+        at once (and frees the bucket it was receiving into)."""
+        self._drop_group()
+        return True
 
     # -- receiver ----------------------------------------------------------------------------
 
@@ -428,14 +450,15 @@ class GlooTransport(BufferedTransport):
         # Every broadcast goes to the group this call started on: after a failure this thread may
         # still be blocked in it while the transport already belongs to the next sync's group.
         group, buffers = self._pg, self._bufs  # _close() replaces the list, a lending swap edits it
+        watch = (self._channel, self._stop)  # this group's, whatever comes next
         if group is None:
-            raise TransportError(f"gloo transport, rollout rank {self.rank}: the group was closed")
+            raise TransportError(f"{self.me}: the group was closed")
         self._mid_sync = True
         header = torch.zeros(_HEADER, dtype=torch.int64)
-        self._wait(self._broadcast(header, group=group), self._peer, self._deadline())
+        self._wait(self._broadcast(header, group=group), self._peer, self._deadline(), *watch)
         magic, version, kind, meta_len, nbytes = (int(v) for v in header.tolist())
         if magic != _MAGIC:
-            raise TransportError(f"gloo transport: bad header from {self._peer}: {header.tolist()}")
+            raise TransportError(f"{self.me}: bad header from {self._peer}: {header.tolist()}")
         if version != WIRE_SCHEMA_VERSION:
             raise WireVersionError(
                 f"incompatible verl-fastsync wire schema: {self._peer} sent version {version}, "
@@ -444,7 +467,7 @@ class GlooTransport(BufferedTransport):
             )
         deadline = self._deadline()  # the header is here: metadata and payload share one budget
         meta = torch.empty(meta_len, dtype=torch.uint8)
-        self._wait(self._broadcast(meta, group=group), self._peer, deadline)
+        self._wait(self._broadcast(meta, group=group), self._peer, deadline, *watch)
         message = decode(meta.numpy().tobytes(), peer=self._peer)
         if kind == _KIND_ABORT or isinstance(message, Abort):
             reason = message.reason if isinstance(message, Abort) else "?"
@@ -455,17 +478,17 @@ class GlooTransport(BufferedTransport):
                 self._synced = True
             return message
         if not isinstance(message, BucketReady) or kind != _KIND_BUCKET:
-            raise TransportError(f"gloo transport: unexpected {type(message).__name__} from {self._peer}")
+            raise TransportError(f"{self.me}: unexpected {type(message).__name__} from {self._peer}")
         if message.nbytes != nbytes or not 0 <= nbytes <= self.bucket_size or message.slot not in (0, 1):
             raise TransportError(
-                f"gloo transport: bucket {message.bucket_index} header says {nbytes} bytes in slot "
+                f"{self.me}: bucket {message.bucket_index} header says {nbytes} bytes in slot "
                 f"{message.slot}, metadata {message.nbytes}; bucket size {self.bucket_size}"
             )
         if nbytes:
             payload = buffers[message.slot][:nbytes]
             works = [self._broadcast(part, group=group) for part in _parts(payload)]
             for work in works:
-                self._wait(work, self._peer, deadline)
+                self._wait(work, self._peer, deadline, *watch)
         return message
 
     def _swap_receive_buffer(self, slot: int, buffer: torch.Tensor) -> None:

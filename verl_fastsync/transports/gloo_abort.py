@@ -1,0 +1,165 @@
+"""How a failure of one gloo rank reaches every other rank at once, and how a failed group lets go.
+
+gloo gives neither: ``ProcessGroupGloo.abort()`` and ``shutdown()`` close nothing (measured on torch
+2.13: a peer blocked in a broadcast waits out the op's whole ``timeout_s``, and so does the aborting
+process's own blocked receive), and a receive blocked in ``Work.wait`` cannot be interrupted. Two
+pieces here make up for it:
+
+* :class:`AbortChannel`: one key per group epoch on the group's ``TCPStore`` holding the first
+  :class:`~verl_fastsync.wire.Abort` any rank published (``compare_set``: the first cause wins, later
+  ones are dropped). A failing rank publishes its cause before it closes its sockets, so a peer whose
+  broadcast fails because of it finds the cause there; a rank blocked in a broadcast reads the key
+  between short wait slices, so it learns of a failure it is not connected to directly.
+* :class:`GroupSockets`: the TCP connections of one group, found when it is built (the sockets the
+  build opened whose other end is in a peer's own list of such sockets, exchanged on the store, so an
+  unrelated connection opened by another thread meanwhile is never taken for one). Shutting them down
+  fails every operation posted on the group at once, on this side (its threads, buffers and sockets
+  are free within moments, the group's destructor no longer waits for a receive's timeout) and on
+  every peer connected to it (its broadcast fails with "Connection closed by peer": the kernel does
+  the same for a process that dies).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+import threading
+from typing import Any
+
+from verl_fastsync.wire import Abort, decode, encode
+
+__all__ = ["AbortChannel", "GroupSockets", "connected_sockets", "let_go_later"]
+
+Endpoint = tuple[str, int]
+Link = tuple[Endpoint, Endpoint]  # (this side's address, the peer's address)
+
+_PEER = re.compile(r"\[([^\]]+)\]:(\d+)")
+
+
+class AbortChannel:
+    """The first cause of a group's failure, on its store (see the module docstring)."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store = store
+        self.key = key
+
+    def publish(self, message: Abort) -> Abort:
+        """Publish ``message`` unless a cause is there already; returns the cause that stands."""
+        stored = self.store.compare_set(self.key, "", encode(message))
+        return _as_abort(stored) or message
+
+    def read(self) -> Abort | None:
+        """The published cause, or ``None``. One store round trip when there is none."""
+        if not self.store.check([self.key]):
+            return None
+        return _as_abort(self.store.get(self.key))
+
+
+def _as_abort(raw: bytes) -> Abort | None:
+    try:
+        message = decode(bytes(raw), peer="the gloo store")
+    except Exception:
+        return None
+    return message if isinstance(message, Abort) else None
+
+
+def _endpoint(address: Any) -> Endpoint:
+    return str(address[0]), int(address[1])
+
+
+def connected_sockets() -> dict[int, Link]:
+    """This process's connected TCP sockets: fd -> (local address, peer address)."""
+    found: dict[int, Link] = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                found[fd] = (_endpoint(sock.getsockname()), _endpoint(sock.getpeername()))
+        except OSError:
+            pass  # not connected
+        finally:
+            sock.close()  # the duplicate only
+    return found
+
+
+class GroupSockets:
+    """The connections of one gloo group (see the module docstring), with the peer rank of each."""
+
+    def __init__(self, links: dict[Link, int]) -> None:
+        self.links = links
+
+    @classmethod
+    def exchange(
+        cls,
+        store: Any,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        opened: dict[int, Link],
+        timeout_s: float,
+    ) -> GroupSockets:
+        """``opened``: the connections that appeared while the group was built (maybe with others).
+        Publishes them under ``prefix/<rank>`` and keeps those a peer lists the other way round."""
+        store.set(f"{prefix}/{rank}", json.dumps([[*local, *peer] for local, peer in opened.values()]))
+        peers = [r for r in range(world_size) if r != rank]
+        keys = [f"{prefix}/{r}" for r in peers]
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        mine = set(opened.values())
+        links: dict[Link, int] = {}
+        for peer, raw in zip(peers, store.multi_get(keys), strict=True):
+            for lhost, lport, phost, pport in json.loads(bytes(raw)):
+                link = ((str(phost), int(pport)), (str(lhost), int(lport)))  # seen from this side
+                if link in mine:
+                    links[link] = peer
+        return cls(links)
+
+    def rank_of(self, text: str) -> int | None:
+        """The peer rank of the connection named by the first "[host]:port" in a gloo error text
+        (the peer's end; torch 2.13's gloo prints its port in network byte order), if it is one of
+        this group's."""
+        match = _PEER.search(text)
+        if match is None:
+            return None
+        host, port = match.group(1), int(match.group(2))
+        ends = {(host, port), (host, ((port & 0xFF) << 8) | (port >> 8))}
+        return next((rank for (_, far), rank in self.links.items() if far in ends), None)
+
+    def shutdown(self) -> int:
+        """Shut down every connection of the group still open (matched again by its addresses: a
+        number gloo closed may belong to another socket by now). Returns how many."""
+        done = 0
+        for fd, link in connected_sockets().items():
+            if link not in self.links:
+                continue
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, shared with gloo's descriptor
+                done += 1
+            except OSError:
+                pass
+            finally:
+                sock.close()
+        self.links = {}
+        return done
+
+
+def _let_go(group: Any) -> None:
+    del group  # the last reference: the group's destructor (it joins gloo's threads) runs here
+
+
+def let_go_later(group: Any) -> None:
+    """Drop the caller's last reference to ``group`` on a short-lived daemon thread (``Thread.run``
+    deletes its arguments there), never on the caller's (the event loop's) thread."""
+    threading.Thread(target=_let_go, args=(group,), name="fastsync-gloo-release", daemon=True).start()
