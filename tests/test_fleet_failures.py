@@ -9,7 +9,9 @@ failed sync leaves no thread, segment or channel behind; and the next sync deliv
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,3 +203,80 @@ def test_a_killed_rollout_rank_ends_the_others_at_once_naming_it(transport: str)
             cluster.wait(index)
         assert not cluster.leaked_segments()
         _no_threads_left(cluster, [0, *(_rollout(r) for r in healthy)])
+
+
+class FleetRank:
+    """A rank as a Ray actor (``_ray_ranks.Rank``) whose rollout side runs verl's own worker method
+    (``_verl_receive.verl_update_weights``) and whose trainer side reports its error and end time."""
+
+    def __init__(self, transport: str, ctor: dict[str, Any], role: str) -> None:
+        from _ray_ranks import Rank  # type: ignore[import-not-found]
+
+        self.rank = Rank(transport, ctor, role)
+
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.rank.execute_checkpoint_engine(method, *args, **kwargs)
+
+    def run(self, code: str) -> Any:
+        namespace: dict[str, Any] = {"worker": self.rank.worker}
+        exec(code, namespace)
+        return namespace["result"]
+
+
+@pytest.mark.timeout(900)
+def test_verl_manager_four_rollout_ranks_one_fails_every_rank_ends_with_its_cause(ray_cluster: Any) -> None:
+    """The same failure driven by verl's own ``CheckpointEngineManager.build_process_group`` over real
+    Ray actors (shm, 4 rollout ranks): every rank ends within moments with rollout rank 2's error, and
+    the next sync the manager builds is exact on every rank."""
+    from verl.checkpoint_engine import base
+
+    if not hasattr(base.CheckpointEngineManager, "build_process_group"):
+        pytest.skip("this verl release has no CheckpointEngineManager.build_process_group")
+    from _ray_ranks import RankGroup  # type: ignore[import-not-found]
+    from verl.workers.config import CheckpointEngineConfig
+
+    from verl_fastsync.verl.engine import register_engine
+
+    register_engine()
+    ray = ray_cluster
+    tests = Path(__file__).resolve().parent
+    paths = [str(tests.parent), str(tests), os.environ.get("VERL_FASTSYNC_VERL_PATH", "")]
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
+    ctor = {"bucket_size": 4096, "timeout_s": TIMEOUT_S}
+    remote = ray.remote(num_cpus=0)(FleetRank).options(runtime_env=env)
+    trainer = remote.remote("shm", dict(ctor, is_master=True), "trainer")
+    rollouts = [remote.remote("shm", dict(ctor), "rollout") for _ in range(ROLLOUTS)]
+    cause = "the consumer failed: LoadError: load_weights failed on purpose at tensor 4 (layer4.w)"
+    try:
+        config = CheckpointEngineConfig(backend="fastsync", update_weights_bucket_megabytes=1)
+        manager = base.CheckpointEngineManager(config, RankGroup([trainer]), [])
+        for seed, failing in ((1, FAILING), (2, None)):
+            manager.build_process_group(RankGroup(rollouts))
+            adapters = [{"fail_at": 4} if rank == failing else {} for rank in range(ROLLOUTS)]
+            results = ray.get(
+                [trainer.run.remote(SEND.format(model=MODEL, seed=seed, extra={}))]
+                + [
+                    r.run.remote(RECEIVE.format(kw=repr(kw)))
+                    for r, kw in zip(rollouts, adapters, strict=True)
+                ],
+                timeout=600,
+            )
+            ray.get(
+                [h.execute_checkpoint_engine.remote("finalize") for h in [trainer, *rollouts]], timeout=300
+            )
+            if failing is None:
+                assert all(r["status"] == "ok" for r in results), results
+                for rollout in results[1:]:
+                    assert [tuple(d) for d in rollout["digests"]] == expected_digests(MODEL, seed)
+                continue
+            failed_at = results[1 + failing]["failed_at"]
+            for index, result in enumerate(results):
+                if index == 1 + failing:
+                    assert result["error"].startswith("LoadError"), result
+                    continue
+                assert result["status"] == "err", result
+                assert f"rollout rank {failing} aborted the sync: {cause}" in result["error"], result
+                assert result["ended"] - failed_at < PROMPT_S, result
+    finally:
+        for handle in [trainer, *rollouts]:
+            ray.kill(handle)
