@@ -205,24 +205,6 @@ def test_a_killed_rollout_rank_ends_the_others_at_once_naming_it(transport: str)
         _no_threads_left(cluster, [0, *(_rollout(r) for r in healthy)])
 
 
-class FleetRank:
-    """A rank as a Ray actor (``_ray_ranks.Rank``) whose rollout side runs verl's own worker method
-    (``_verl_receive.verl_update_weights``) and whose trainer side reports its error and end time."""
-
-    def __init__(self, transport: str, ctor: dict[str, Any], role: str) -> None:
-        from _ray_ranks import Rank  # type: ignore[import-not-found]
-
-        self.rank = Rank(transport, ctor, role)
-
-    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.rank.execute_checkpoint_engine(method, *args, **kwargs)
-
-    def run(self, code: str) -> Any:
-        namespace: dict[str, Any] = {"worker": self.rank.worker}
-        exec(code, namespace)
-        return namespace["result"]
-
-
 @pytest.mark.timeout(900)
 def test_verl_manager_four_rollout_ranks_one_fails_every_rank_ends_with_its_cause(ray_cluster: Any) -> None:
     """The same failure driven by verl's own ``CheckpointEngineManager.build_process_group`` over real
@@ -232,6 +214,7 @@ def test_verl_manager_four_rollout_ranks_one_fails_every_rank_ends_with_its_caus
 
     if not hasattr(base.CheckpointEngineManager, "build_process_group"):
         pytest.skip("this verl release has no CheckpointEngineManager.build_process_group")
+    from _fleet_ranks import FleetRank  # type: ignore[import-not-found]
     from _ray_ranks import RankGroup  # type: ignore[import-not-found]
     from verl.workers.config import CheckpointEngineConfig
 
