@@ -32,13 +32,14 @@ import torch
 from verl_fastsync.chunks import Allocate, Assembler, bucket_chunk_views
 from verl_fastsync.io.lending import DestinationPool, Lease, LendingPool
 from verl_fastsync.transports.base import (
+    PeerAbortedError,
     TransferStats,
     TransportError,
     allocate_bucket_buffers,
     failure_reason,
 )
 from verl_fastsync.transports.lifecycle import InFlight
-from verl_fastsync.transports.sending import RankFailedError, SendingTransport, abort_for
+from verl_fastsync.transports.sending import SendingTransport, abort_for
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
 __all__ = ["BufferedTransport"]
@@ -319,7 +320,7 @@ class BufferedTransport(SendingTransport):
                     self._settle(lent_slot, lease)
                 except Exception:  # pragma: no cover - best effort
                     pass
-            if not isinstance(exc, RankFailedError):  # else the sender told us: it knows
+            if not (isinstance(exc, PeerAbortedError) and exc.cause is not None):  # else the sender told us
                 try:
                     self._post_abort(abort_for(exc, self.rank, failure_reason(exc, yielded)))
                 except Exception:  # pragma: no cover - best effort

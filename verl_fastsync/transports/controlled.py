@@ -14,7 +14,7 @@ DEALER in ``init_process_group``.
   moved on. ``SyncEnd`` ends a sync, ``Abort`` (either way) fails it with the reason.
 * A failure anywhere ends the sync everywhere, with its first cause: a receiver that fails sends
   ``Abort`` (its reason, its rank) to the sender, which fails and relays that same ``Abort`` to every
-  other receiver (:class:`~verl_fastsync.transports.sending.RankFailedError`: the origin and cause
+  other receiver (:class:`~verl_fastsync.transports.base.PeerAbortedError`: the origin and cause
   travel unchanged, never wrapped in the relaying side's own text). A receiver on the sender's host
   whose process ends mid-sync (killed, crashed) is noticed by the sender within
   :data:`LIVENESS_S` (its ``Hello`` named its pid) and reported the same way. The side that aborts
@@ -37,9 +37,8 @@ from typing import Any, ClassVar
 import zmq
 
 from verl_fastsync.io.control import ControlChannel
-from verl_fastsync.transports.base import SENDER_RANK, TransportError
+from verl_fastsync.transports.base import SENDER_RANK, PeerAbortedError, TransportError
 from verl_fastsync.transports.buffered import BufferedTransport
-from verl_fastsync.transports.sending import RankFailedError
 from verl_fastsync.wire import (
     Abort,
     Attached,
@@ -204,14 +203,14 @@ class ControlledTransport(BufferedTransport):
             raise self._aborted(ident, message)
         return ident, message
 
-    def _aborted(self, ident: bytes | None, message: Abort) -> RankFailedError:
+    def _aborted(self, ident: bytes | None, message: Abort) -> PeerAbortedError:
         """The error of an ``Abort`` from ``ident``: it names the rank where the sync failed first
         (``Abort.rank``, which a relaying sender keeps) and that rank's reason."""
         origin = message.rank
         if origin is None:
             origin = SENDER_RANK if ident is None else self._peers.get(ident)
         who = self.label(origin) if origin is not None else "a rollout rank"
-        return RankFailedError(str(self._abort_error(who, message.reason)), origin, message.reason)
+        return PeerAbortedError(str(self._abort_error(who, message.reason)), origin, message.reason)
 
     def _recv_progressing(
         self, channel: ControlChannel, deadline: float
@@ -250,7 +249,7 @@ class ControlledTransport(BufferedTransport):
             if process_ended(pid):
                 origin = self._peers.get(ident)
                 cause = f"its process (pid {pid}) ended during the sync (killed or crashed)"
-                raise RankFailedError(
+                raise PeerAbortedError(
                     f"{self.me}: {self.label(origin)} failed: {cause}; {self.inflight.describe()}",
                     origin,
                     cause,
@@ -272,7 +271,7 @@ class ControlledTransport(BufferedTransport):
             cause = (
                 f"its control connection closed: {exc} (it timed out or died before its reason could be read)"
             )
-            raise RankFailedError(
+            raise PeerAbortedError(
                 f"{self.me}: cannot send {type(message).__name__} to {self.label(origin)}: {cause}; "
                 f"{self.inflight.describe()}",
                 origin,
@@ -360,7 +359,7 @@ class ControlledTransport(BufferedTransport):
         """Inside a wait that is not for a control message (the sender's WRITE), or on a failure
         that may be a symptom of a peer's abort: read what the peers sent without blocking, so that
         an ``Abort`` fails the wait at once with the first failure's reason (raises
-        :class:`~verl_fastsync.transports.sending.RankFailedError`) and acks are not left unread.
+        :class:`~verl_fastsync.transports.base.PeerAbortedError`) and acks are not left unread.
         The sender also checks that its receivers are alive."""
         channel = self._channel
         if channel is None or not channel.is_open:

@@ -35,7 +35,6 @@ from verl_fastsync.transports.lifecycle import InFlight, TransportCore
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
 __all__ = [
-    "RankFailedError",
     "SendingTransport",
     "abort_for",
     "aiter_items",
@@ -46,21 +45,10 @@ __all__ = [
 Item = tuple[str, torch.Tensor]
 
 
-class RankFailedError(PeerAbortedError):
-    """Another rank ended the sync: ``origin`` (its transfer rank) failed first, with ``cause``. A
-    side that fails with this relays ``origin`` and ``cause`` unchanged (never its own wrapped text),
-    so every rank of the group reports the first failure and the rank where it happened."""
-
-    def __init__(self, message: str, origin: int | None, cause: str) -> None:
-        super().__init__(message)
-        self.origin = origin
-        self.cause = cause
-
-
 def abort_for(exc: BaseException, rank: int | None, reason: str) -> Abort:
     """The ``Abort`` a side sends when it fails with ``exc``: the first failure's origin and cause
     when ``exc`` relays another rank's, else ``reason`` from ``rank`` (this side)."""
-    if isinstance(exc, RankFailedError):
+    if isinstance(exc, PeerAbortedError) and exc.cause is not None:
         return Abort(reason=exc.cause, rank=exc.origin)
     return Abort(reason=reason, rank=rank)
 
