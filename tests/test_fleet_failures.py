@@ -263,3 +263,20 @@ def test_verl_manager_four_rollout_ranks_one_fails_every_rank_ends_with_its_caus
     finally:
         for handle in [trainer, *rollouts]:
             ray.kill(handle)
+
+
+def test_the_shm_host_check_names_the_sender_and_the_rollout_ranks_elsewhere() -> None:
+    """``shm`` needs one host: the error names the sending trainer rank as the metadata labels it (a
+    lane's sender is not trainer rank 0) and each rollout rank on another host by verl's number."""
+    from verl_fastsync.transports.base import TransportError
+    from verl_fastsync.transports.shm import ShmTransport
+
+    here, there = {"host": "a", "bucket_size": 1}, {"host": "b", "bucket_size": 1}
+    sender = dict(here, endpoint="ipc:///x", label="trainer rank 2 (lane 1)")
+    with pytest.raises(TransportError) as caught:
+        ShmTransport.build_topology(1, 3, [sender, here, there, there])
+    message = str(caught.value)
+    assert "trainer rank 2 (lane 1) is on 'a', rollout rank 1 on 'b', rollout rank 2 on 'b'" in message
+    assert "trainer rank 0" not in message and "rollout rank 0" not in message, message
+    with pytest.raises(TransportError, match="trainer rank 0 is on 'a', rollout rank 0 on 'b'"):
+        ShmTransport.build_topology(1, 1, [dict(here, endpoint="ipc:///x"), there])
