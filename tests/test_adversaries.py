@@ -139,7 +139,7 @@ def test_nixl_survives_50_receiver_aborts_mid_write() -> None:
             recv_status, recv_message = cluster.wait_result(1)
             send_status, send_message = cluster.wait_result(0)
             assert recv_status == "err", f"abort {i}: {recv_message}"
-            assert "rank 1" in send_message, f"abort {i}: {send_message}"
+            assert "rollout rank 0 aborted the sync" in send_message, f"abort {i}: {send_message}"
             assert f"consumer failed on purpose after {after} tensors" in recv_message, (
                 f"abort {i}: {recv_message}"
             )
