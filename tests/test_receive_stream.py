@@ -108,7 +108,7 @@ def test_a_sender_that_finds_its_receiver_gone_raises_the_abort_it_left() -> Non
         dealer.close()
         deadline = time.monotonic() + 30
         with pytest.raises(
-            PeerAbortedError, match="rank 1 aborted the sync: the consumer failed: LoadError: boom"
+            PeerAbortedError, match="rollout rank 0 aborted the sync: the consumer failed: LoadError: boom"
         ):
             while time.monotonic() < deadline:  # posts succeed until the router sees the peer gone
                 sender._send_to(

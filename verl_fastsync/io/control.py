@@ -173,11 +173,13 @@ class ControlChannel:
 
     # -- teardown ----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close the socket and context and remove the socket file (idempotent)."""
+    def close(self, linger_ms: int | None = None) -> None:
+        """Close the socket and context and remove the socket file (idempotent). ``linger_ms``:
+        let queued messages out for at most that long (e.g. an abort's reason), instead of the
+        channel's own linger."""
         sock, self._sock = self._sock, None
         if sock is not None:
-            sock.close(linger=self._linger)
+            sock.close(linger=self._linger if linger_ms is None else linger_ms)
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.term()

@@ -99,7 +99,15 @@ class TransportTimeoutError(TransportError, TimeoutError):
 
 
 class PeerAbortedError(TransportError):
-    """The peer reported a failure (its reason is in the message)."""
+    """Another rank failed the sync (its reason is in the message). ``origin`` (its transfer rank)
+    and ``cause`` (its reason), when set, name the first failure: a side that fails with this error
+    relays them unchanged, never its own text wrapped around them, so every rank of the group
+    reports the first cause and the rank where it happened."""
+
+    def __init__(self, message: str, origin: int | None = None, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.origin = origin
+        self.cause = cause
 
 
 class ConsumerError(TransportError):

@@ -32,13 +32,14 @@ import torch
 from verl_fastsync.chunks import Allocate, Assembler, bucket_chunk_views
 from verl_fastsync.io.lending import DestinationPool, Lease, LendingPool
 from verl_fastsync.transports.base import (
+    PeerAbortedError,
     TransferStats,
     TransportError,
     allocate_bucket_buffers,
     failure_reason,
 )
 from verl_fastsync.transports.lifecycle import InFlight
-from verl_fastsync.transports.sending import SendingTransport
+from verl_fastsync.transports.sending import SendingTransport, abort_for
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
 __all__ = ["BufferedTransport"]
@@ -159,7 +160,7 @@ class BufferedTransport(SendingTransport):
     def _check_generation(self, generation: int) -> None:
         if self.sync_generation != generation:
             raise TransportError(
-                f"{self.name} transport, rollout rank {self.rank}: this receive stream belongs to a "
+                f"{self.me}: this receive stream belongs to a "
                 "sync that has ended (finalize or a new init_process_group ran since it started); "
                 "iterate the stream of the current sync"
             )
@@ -236,7 +237,7 @@ class BufferedTransport(SendingTransport):
                         stats.bytes,
                     ):
                         raise TransportError(
-                            f"{self.name} transport, rollout rank {self.rank}: sender reports "
+                            f"{self.me}: sender reports "
                             f"{message.num_buckets} buckets / {message.num_tensors} tensors / "
                             f"{message.total_bytes} bytes, received {stats.buckets} / "
                             f"{assembler.num_tensors} / {stats.bytes}"
@@ -245,8 +246,7 @@ class BufferedTransport(SendingTransport):
                     break
                 if message.bucket_index != expected:
                     raise TransportError(
-                        f"{self.name} transport, rollout rank {self.rank}: expected bucket {expected}, "
-                        f"got bucket {message.bucket_index}"
+                        f"{self.me}: expected bucket {expected}, got bucket {message.bucket_index}"
                     )
                 expected += 1
                 if self.prefetch:
@@ -320,10 +320,11 @@ class BufferedTransport(SendingTransport):
                     self._settle(lent_slot, lease)
                 except Exception:  # pragma: no cover - best effort
                     pass
-            try:
-                self._post_abort(Abort(reason=failure_reason(exc, yielded), rank=self.rank))
-            except Exception:  # pragma: no cover - best effort
-                pass
+            if not (isinstance(exc, PeerAbortedError) and exc.cause is not None):  # else the sender told us
+                try:
+                    self._post_abort(abort_for(exc, self.rank, failure_reason(exc, yielded)))
+                except Exception:  # pragma: no cover - best effort
+                    pass
             if pending is not None and not pending.cancel():
                 # _recv_next is running on the worker thread: stop it before its handles close
                 if self._interrupt_receive():

@@ -12,6 +12,13 @@ DEALER in ``init_process_group``.
 * Per bucket: the sender waits for every receiver's ``BucketAck`` of the bucket last held in the
   slot, packs, :meth:`_post_bucket` announces ``BucketReady``; receivers ack after their consumer
   moved on. ``SyncEnd`` ends a sync, ``Abort`` (either way) fails it with the reason.
+* A failure anywhere ends the sync everywhere, with its first cause: a receiver that fails sends
+  ``Abort`` (its reason, its rank) to the sender, which fails and relays that same ``Abort`` to every
+  other receiver (:class:`~verl_fastsync.transports.base.PeerAbortedError`: the origin and cause
+  travel unchanged, never wrapped in the relaying side's own text). A receiver on the sender's host
+  whose process ends mid-sync (killed, crashed) is noticed by the sender within
+  :data:`LIVENESS_S` (its ``Hello`` named its pid) and reported the same way. The side that aborts
+  lets its ``Abort`` out before its socket closes (:data:`ABORT_LINGER_MS`).
 
 Subclasses supply the buffers: :meth:`_sender_setup`, :meth:`_attach`, :meth:`_release_buffers`,
 :meth:`_sender_buffer`, :meth:`_receiver_buffer` (and may move data in :meth:`_post_bucket` /
@@ -24,12 +31,13 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import zmq
 
 from verl_fastsync.io.control import ControlChannel
-from verl_fastsync.transports.base import TransportError
+from verl_fastsync.transports.base import SENDER_RANK, PeerAbortedError, TransportError
 from verl_fastsync.transports.buffered import BufferedTransport
 from verl_fastsync.wire import (
     Abort,
@@ -44,10 +52,37 @@ from verl_fastsync.wire import (
     encode,
 )
 
-__all__ = ["MAX_SLOTS", "ControlledTransport"]
+__all__ = ["ABORT_LINGER_MS", "LIVENESS_S", "MAX_SLOTS", "ControlledTransport", "process_ended"]
 
 MAX_SLOTS = 4
 """The most slots a sender may pipeline over."""
+
+LIVENESS_S = 0.1
+"""How often a waiting sender checks that the receivers on its host are still alive (seconds)."""
+
+ABORT_LINGER_MS = 300
+"""How long closing the control channel after an ``Abort`` lets it out (zmq drops queued messages
+of a socket closed with no linger: the reason would be lost and the peers would wait out
+``timeout_s``)."""
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` of this host is gone (a zombie, killed and not reaped yet, counts
+    as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[:1]
+    except FileNotFoundError:
+        return True
+    except OSError:  # pragma: no cover - no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    return state in (["Z"], ["X"])
 
 
 class ControlledTransport(BufferedTransport):
@@ -66,6 +101,9 @@ class ControlledTransport(BufferedTransport):
         self._peers: dict[bytes, int] = {}  # zmq routing id -> rollout rank
         self._slot_bucket: list[int | None] = [None] * self.slots
         self._slot_acks: list[set[int]] = [set() for _ in range(self.slots)]
+        self._peer_pids: dict[bytes, int] = {}  # sender: pid of each receiver on this host
+        self._next_liveness = 0.0
+        self._abort_posted = False  # close the channel with a linger (the Abort must get out)
 
     # -- what subclasses choose --------------------------------------------------------------
 
@@ -133,9 +171,11 @@ class ControlledTransport(BufferedTransport):
 
     def _close_channel(self) -> None:
         channel, self._channel = self._channel, None
+        linger, self._abort_posted = (ABORT_LINGER_MS if self._abort_posted else None), False
         if channel is not None:
-            channel.close()
+            channel.close(linger_ms=linger)
         self._peers = {}
+        self._peer_pids = {}
         self._reset_slots()
 
     def _reset_slots(self) -> None:
@@ -153,45 +193,89 @@ class ControlledTransport(BufferedTransport):
 
     def _recv_msg(self, deadline: float, peer: str, detail: str = "") -> tuple[bytes | None, Message]:
         if self._channel is None:
-            raise TransportError(f"{self.name} transport: control channel closed; {self.inflight.describe()}")
+            raise TransportError(f"{self.me}: control channel closed; {self.inflight.describe()}")
         got = self._recv_progressing(self._channel, deadline)
         if got is None:
             raise self._timeout_error(peer, detail)
         ident, data = got
         message = decode(data, peer=peer)
         if isinstance(message, Abort):
-            who = peer if message.rank is None else f"rank {message.rank}"
-            raise self._abort_error(who, message.reason)
+            raise self._aborted(ident, message)
         return ident, message
+
+    def _aborted(self, ident: bytes | None, message: Abort) -> PeerAbortedError:
+        """The error of an ``Abort`` from ``ident``: it names the rank where the sync failed first
+        (``Abort.rank``, which a relaying sender keeps) and that rank's reason."""
+        origin = message.rank
+        if origin is None:
+            origin = SENDER_RANK if ident is None else self._peers.get(ident)
+        who = self.label(origin) if origin is not None else "a rollout rank"
+        return PeerAbortedError(str(self._abort_error(who, message.reason)), origin, message.reason)
 
     def _recv_progressing(
         self, channel: ControlChannel, deadline: float
     ) -> tuple[bytes | None, bytes] | None:
         poll = self.progress_poll_s
-        if poll is None:
+        watch = bool(self._peer_pids)
+        if poll is None and not watch:
             return channel.recv(deadline)
+        step = min(poll if poll is not None else LIVENESS_S, LIVENESS_S)
         while True:
-            got = channel.recv(min(deadline, time.monotonic() + poll))
+            got = channel.recv(min(deadline, time.monotonic() + step))
             if got is not None or time.monotonic() >= deadline:
                 return got
-            self._progress()
+            if poll is not None:
+                self._progress()
+            self._check_peers_alive()
+
+    def _labels(self, ranks: Iterable[int | None]) -> str:
+        """verl's names of transfer ranks ``ranks``, in rank order ("rollout rank 0, rollout rank 3")."""
+        return ", ".join(self.label(rank) for rank in sorted(r for r in ranks if r is not None)) or "none"
+
+    def _record_pid(self, ident: bytes, message: Message) -> None:
+        """Sender: remember the pid of a receiver on this host (from its introduction)."""
+        pid, host = getattr(message, "pid", 0), getattr(message, "host", "")
+        if pid and host == socket.gethostname():
+            self._peer_pids[ident] = int(pid)
+
+    def _check_peers_alive(self, force: bool = False) -> None:
+        """Sender: fail the sync naming a receiver on this host whose process ended (checked at
+        most every :data:`LIVENESS_S` unless ``force``)."""
+        now = time.monotonic()
+        if not self._peer_pids or (not force and now < self._next_liveness):
+            return
+        self._next_liveness = now + LIVENESS_S
+        for ident, pid in self._peer_pids.items():
+            if process_ended(pid):
+                origin = self._peers.get(ident)
+                cause = f"its process (pid {pid}) ended during the sync (killed or crashed)"
+                raise PeerAbortedError(
+                    f"{self.me}: {self.label(origin)} failed: {cause}; {self.inflight.describe()}",
+                    origin,
+                    cause,
+                )
 
     def _progress(self) -> None:
         """Drive this side's part of a data movement (see :attr:`progress_poll_s`)."""
 
     def _send_to(self, ident: bytes | None, message: Message) -> None:
         if self._channel is None:
-            raise TransportError(f"{self.name} transport: control channel closed; {self.inflight.describe()}")
+            raise TransportError(f"{self.me}: control channel closed; {self.inflight.describe()}")
         try:
             self._channel.send(encode(message), ident)
         except zmq.ZMQError as exc:
             # a peer that aborted sent its Abort before it closed: its reason, not "unreachable"
             self._raise_pending_abort()
-            who = "trainer rank 0" if ident is None else f"rollout rank {self._peers.get(ident, '?')}"
-            raise TransportError(
-                f"{self.name} transport, {self.role} rank {self.rank}: cannot send "
-                f"{type(message).__name__} to {who}: {exc} (the peer closed its connection: timed out "
-                f"or died); {self.inflight.describe()}"
+            self._check_peers_alive(force=True)
+            origin = SENDER_RANK if ident is None else self._peers.get(ident)
+            cause = (
+                f"its control connection closed: {exc} (it timed out or died before its reason could be read)"
+            )
+            raise PeerAbortedError(
+                f"{self.me}: cannot send {type(message).__name__} to {self.label(origin)}: {cause}; "
+                f"{self.inflight.describe()}",
+                origin,
+                cause,
             ) from exc
 
     def _handshake_sender(self) -> None:
@@ -204,6 +288,7 @@ class ControlledTransport(BufferedTransport):
             )
             if self._on_hello(ident or b"", message):
                 pending.append(ident or b"")
+                self._record_pid(ident or b"", message)
         self._before_welcome()
         welcome = Welcome(
             bucket_size=self.bucket_size,
@@ -226,28 +311,24 @@ class ControlledTransport(BufferedTransport):
     def _handshake_receiver(self) -> None:
         deadline = self._deadline()
         self.inflight.phase = "handshake"
-        peer = f"trainer rank 0 at {self._endpoint}"
+        peer = f"{self.label(SENDER_RANK)} at {self._endpoint}"
         self._send_to(None, self._hello_message())
         _, message = self._recv_msg(deadline, peer, "welcome")
         if not isinstance(message, Welcome):
-            raise TransportError(
-                f"{self.name} transport: expected welcome from {peer}, got {type(message).__name__}"
-            )
+            raise TransportError(f"{self.me}: expected welcome from {peer}, got {type(message).__name__}")
         if message.bucket_size != self.bucket_size:
             raise TransportError(
-                f"{self.name} transport: sender bucket_size {message.bucket_size} "
-                f"!= receiver {self.bucket_size}"
+                f"{self.me}: the sender's bucket_size {message.bucket_size} != this rank's {self.bucket_size}"
             )
         if message.verify != self.options.verify:
             raise TransportError(
-                f"{self.name} transport: verify differs between sender ({message.verify}) and rollout rank "
-                f"{self.rank} ({self.options.verify}); set engine_kwargs.fastsync.verify the same everywhere"
+                f"{self.me}: verify differs between {self.label(SENDER_RANK)} ({message.verify}) and "
+                f"this rank ({self.options.verify}); set engine_kwargs.fastsync.verify the same everywhere"
             )
         if message.slots != self.slots:
             if not 2 <= message.slots <= MAX_SLOTS:
                 raise TransportError(
-                    f"{self.name} transport: the sender pipelines over {message.slots} slots; "
-                    f"allowed: 2 to {MAX_SLOTS}"
+                    f"{self.me}: the sender pipelines over {message.slots} slots; allowed: 2 to {MAX_SLOTS}"
                 )
             self.slots = message.slots  # the sender's memory, the sender's choice
             self._reset_slots()
@@ -263,7 +344,7 @@ class ControlledTransport(BufferedTransport):
         deadline = self._deadline()
         while len(self._slot_acks[slot]) < self.receivers:
             missing = sorted(set(self._peers.values()) - self._slot_acks[slot])
-            _, message = self._recv_msg(deadline, f"rollout rank(s) {missing}", f"ack of bucket {bucket}")
+            _, message = self._recv_msg(deadline, self._labels(missing), f"ack of bucket {bucket}")
             self._take_ack(message)
         self._slot_bucket[slot] = None
 
@@ -275,20 +356,23 @@ class ControlledTransport(BufferedTransport):
                 self._on_ack(message)
 
     def _poll_control(self) -> None:
-        """Sender, inside a wait that is not for a control message (e.g. a WRITE): read what the
-        receivers sent without blocking, so that an ``Abort`` fails the wait at once with the
-        receiver's reason (raises :class:`PeerAbortedError`) and acks are not left unread."""
+        """Inside a wait that is not for a control message (the sender's WRITE), or on a failure
+        that may be a symptom of a peer's abort: read what the peers sent without blocking, so that
+        an ``Abort`` fails the wait at once with the first failure's reason (raises
+        :class:`~verl_fastsync.transports.base.PeerAbortedError`) and acks are not left unread.
+        The sender also checks that its receivers are alive."""
         channel = self._channel
         if channel is None or not channel.is_open:
             return
         while (got := channel.recv_nowait()) is not None:
             ident, data = got
-            who = f"rollout rank {self._peers.get(ident, '?')}" if ident is not None else "peer"
+            who = self.label(self._peers.get(ident) if ident is not None else SENDER_RANK)
             message = decode(data, peer=who)
             if isinstance(message, Abort):
-                origin = who if message.rank is None else f"rank {message.rank}"
-                raise self._abort_error(origin, message.reason)
-            self._take_ack(message)
+                raise self._aborted(ident, message)
+            if self.rank == SENDER_RANK:
+                self._take_ack(message)
+        self._check_peers_alive()
 
     def _raise_pending_abort(self, grace_s: float = 0.2) -> None:
         """A send found its peer gone: raise the :class:`PeerAbortedError` of an ``Abort`` it left,
@@ -319,6 +403,7 @@ class ControlledTransport(BufferedTransport):
         if channel is None or not channel.is_open:
             return
         data = encode(message)
+        self._abort_posted = True
         if self.rank == 0:
             for ident in self._peers:
                 channel.send_quietly(data, ident)
@@ -329,9 +414,7 @@ class ControlledTransport(BufferedTransport):
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
-            raise TransportError(
-                f"{self.name} transport: sender named slot {slot}; only 0 to {self.slots - 1} exist"
-            )
+            raise TransportError(f"{self.me}: the sender named slot {slot}; only 0 to {self.slots - 1} exist")
 
     def _interrupt_receive(self) -> bool:
         channel = self._channel
@@ -342,7 +425,7 @@ class ControlledTransport(BufferedTransport):
 
     def _recv_next(self) -> BucketReady | SyncEnd:
         deadline = self._deadline()
-        peer = f"trainer rank 0 at {self._endpoint}"
+        peer = f"{self.label(SENDER_RANK)} at {self._endpoint}"
         while True:
             _, message = self._recv_msg(deadline, peer, f"bucket {self.inflight.bucket}")
             if isinstance(message, BucketReady | SyncEnd):

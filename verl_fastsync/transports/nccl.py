@@ -91,7 +91,7 @@ class NcclTransport(TcpControlledTransport):
 
     def _attach(self, welcome: Welcome) -> None:
         if len(welcome.buffers) != 1:
-            raise TransportError("nccl transport: the sender's welcome carries no NCCL unique id")
+            raise TransportError(f"{self.me}: the sender's welcome carries no NCCL unique id")
         self._uid = bytes.fromhex(welcome.buffers[0])
 
     def _all_attached(self) -> None:
@@ -150,13 +150,13 @@ class NcclTransport(TcpControlledTransport):
 
     def _receiver_buffer(self, slot: int) -> torch.Tensor:
         if slot not in (0, 1):
-            raise TransportError(f"nccl transport: sender named slot {slot}; only 0 and 1 exist")
+            raise TransportError(f"{self.me}: the sender named slot {slot}; only 0 and 1 exist")
         return self._bufs[slot]
 
     def _wait_slot_free(self, slot: int) -> None:
         event, self._events[slot] = self._events[slot], None
         if event is not None:
-            self._wait_event(event, "rollout ranks", f"broadcast from slot {slot}")
+            self._wait_event(event, self._labels(self._peers.values()), f"broadcast from slot {slot}")
 
     def _post_bucket(self, slot: int, message: BucketReady) -> None:
         for ident in self._peers:
@@ -169,10 +169,10 @@ class NcclTransport(TcpControlledTransport):
         if isinstance(message, BucketReady) and message.nbytes:
             if not 0 < message.nbytes <= self.bucket_size:
                 raise TransportError(
-                    f"nccl transport: bucket {message.bucket_index} claims {message.nbytes} bytes"
+                    f"{self.me}: bucket {message.bucket_index} claims {message.nbytes} bytes"
                 )
             buffer = self._receiver_buffer(message.slot)[: message.nbytes]
-            self._wait_event(self._bcast(buffer), f"trainer rank 0 at {self._endpoint}", "broadcast")
+            self._wait_event(self._bcast(buffer), f"{self.label(0)} at {self._endpoint}", "broadcast")
         return message
 
     def _release_slot(self, slot: int, bucket_index: int) -> None:

@@ -60,7 +60,7 @@ from typing import Any, ClassVar
 import torch
 
 from verl_fastsync.io.lending import Lease, lend
-from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers
+from verl_fastsync.transports.base import PeerAbortedError, TransportError, allocate_bucket_buffers
 from verl_fastsync.transports.nixl_writes import BucketWrite, WriteFailedError, Writes
 from verl_fastsync.transports.tcp import TcpControlledTransport
 from verl_fastsync.wire import BucketAck, BucketReady, Message, PeerBuffers, Welcome
@@ -166,7 +166,7 @@ class NixlTransport(TcpControlledTransport):
             return False
         if len(message.addresses) < 2:
             raise TransportError(
-                f"nixl transport: rollout rank {message.rank} sent {len(message.addresses)} buffers, "
+                f"{self.me}: {self.label(message.rank)} sent {len(message.addresses)} buffers, "
                 "at least 2 (its slots) are needed"
             )
         self._slot_addrs[ident] = list(message.addresses[:2])
@@ -230,10 +230,13 @@ class NixlTransport(TcpControlledTransport):
         agents = set(self._remote_names.values())
         moving = self._writes.settle(self._agent, self._deadline(), agents)
         if moving:
-            ranks = sorted(self._peers[i] for i, name in self._remote_names.items() if name in moving)
+            ranks = ", ".join(
+                self.label(rank)
+                for rank in sorted(self._peers[i] for i, name in self._remote_names.items() if name in moving)
+            )
             raise TransportError(
-                f"nixl transport, {self.role} rank {self.rank}: WRITEs that the failed previous sync "
-                f"abandoned towards rollout rank(s) {ranks} are still in progress after "
+                f"{self.me}: WRITEs that the failed previous sync "
+                f"abandoned towards {ranks} are still in progress after "
                 f"{self.options.timeout_s:g}s; a new sync cannot start while one may still land in "
                 "their buffers"
             )
@@ -277,11 +280,10 @@ class NixlTransport(TcpControlledTransport):
         if self._touched() and (self._bufs or self._quarantine):
             kept = sum(b.numel() for b in self._bufs) + self.quarantined_bytes
             log.warning(
-                "nixl transport, %s rank %s: released while a WRITE of a failed sync may still touch "
+                "%s: released while a WRITE of a failed sync may still touch "
                 "its buffers; keeping %d bytes alive until the process exits instead of freeing "
                 "memory a late WRITE could overwrite",
-                self.role,
-                self.rank,
+                self.me,
                 kept,
             )
             _KEPT_UNTIL_EXIT.append((self._agent, self._reg, self._bufs, self._quarantine, self._writes))
@@ -333,7 +335,7 @@ class NixlTransport(TcpControlledTransport):
 
     def _receiver_buffer(self, slot: int) -> torch.Tensor:
         if slot not in (0, 1):
-            raise TransportError(f"nixl transport: sender named slot {slot}; only 0 and 1 exist")
+            raise TransportError(f"{self.me}: the sender named slot {slot}; only 0 and 1 exist")
         return self._bufs[self._slot_buf[slot]]
 
     def _free_spares(self) -> list[int]:
@@ -357,7 +359,7 @@ class NixlTransport(TcpControlledTransport):
             return
         free = self._free_spares()
         if not free:  # _can_lend saw a free spare and nothing took it since: cannot happen
-            raise TransportError(f"nixl transport: slot {slot} is still lent and no spare bucket is free")
+            raise TransportError(f"{self.me}: slot {slot} is still lent and no spare bucket is free")
         self._lent[self._slot_buf[slot]] = lease
         self._slot_buf[slot] = free[0]
         self._next_address = int(self._bufs[free[0]].data_ptr())
@@ -374,7 +376,7 @@ class NixlTransport(TcpControlledTransport):
         peer = self._remote.get(ident) if ident is not None else None
         if ident is None or peer is None or message.address not in peer.addresses:
             raise TransportError(
-                f"nixl transport: rollout rank {message.rank} moved slot {message.slot} to address "
+                f"{self.me}: {self.label(message.rank)} moved slot {message.slot} to address "
                 f"{message.address:#x}, which it never announced"
             )
         self._slot_addrs[ident][message.slot] = message.address
@@ -414,13 +416,23 @@ class NixlTransport(TcpControlledTransport):
             yield
         except BaseException as exc:
             self._writes.abandon()
-            if isinstance(exc, TransportError) or not isinstance(exc, Exception):
+            if isinstance(exc, PeerAbortedError) or not isinstance(exc, Exception):
+                raise
+            self._explain_failed_write()
+            if isinstance(exc, TransportError):
                 raise
             raise TransportError(
-                f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket {message.bucket_index} "
-                f"to rollout rank(s) {sorted(self._peers.values())} failed: {type(exc).__name__}: {exc}; "
+                f"{self.me}: WRITE of bucket {message.bucket_index} "
+                f"to {self._labels(self._peers.values())} failed: {type(exc).__name__}: {exc}; "
                 f"{self.inflight.describe()}"
             ) from exc
+
+    def _explain_failed_write(self) -> None:
+        """A WRITE failed: most often because its receiver failed (its ``Abort`` says why, and
+        arrives around the disconnect NIXL reports) or its process died; raise that first cause
+        instead of the WRITE's symptom when there is one."""
+        self._raise_pending_abort()
+        self._check_peers_alive(force=True)
 
     def _start_write(self, slot: int, message: BucketReady) -> None:
         nbytes = message.nbytes
@@ -434,12 +446,19 @@ class NixlTransport(TcpControlledTransport):
         for ident, peer in self._remote.items():
             where = [(self._slot_addrs[ident][slot], nbytes, peer.device_id)]
             remote = agent.get_xfer_descs(where, peer.mem_type)
-            handle = agent.initialize_xfer("WRITE", local, remote, self._remote_names[ident])
-            write.handles.append((ident, self._remote_names[ident], handle))
-            if agent.transfer(handle) == "ERR":
+            try:
+                handle = agent.initialize_xfer("WRITE", local, remote, self._remote_names[ident])
+                write.handles.append((ident, self._remote_names[ident], handle))
+                started = agent.transfer(handle)
+            except Exception as exc:
                 raise TransportError(
-                    f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
-                    f"{message.bucket_index} to rollout rank {peer.rank} failed to start; "
+                    f"{self.me}: WRITE of bucket {message.bucket_index} to {self.label(peer.rank)} failed: "
+                    f"{type(exc).__name__}: {exc}; {self.inflight.describe()}"
+                ) from exc
+            if started == "ERR":
+                raise TransportError(
+                    f"{self.me}: WRITE of bucket "
+                    f"{message.bucket_index} to {self.label(peer.rank)} failed to start; "
                     f"{self.inflight.describe()}"
                 )
 
@@ -456,8 +475,8 @@ class NixlTransport(TcpControlledTransport):
                     pending = self._writes.pending(self._agent)
                 except WriteFailedError as exc:
                     raise TransportError(
-                        f"nixl transport, {self.role} rank {self.rank}: WRITE of bucket "
-                        f"{write.message.bucket_index} to rollout rank {self._peers.get(exc.ident, '?')} "
+                        f"{self.me}: WRITE of bucket "
+                        f"{write.message.bucket_index} to {self.label(self._peers.get(exc.ident))} "
                         f"failed; {self.inflight.describe()}"
                     ) from None
                 if not pending:
@@ -467,9 +486,9 @@ class NixlTransport(TcpControlledTransport):
                 self.inflight.phase = "wait-write"
                 self._poll_control()
                 if time.monotonic() > write.deadline:
-                    ranks = sorted(self._peers.get(i, -1) for i in pending)
                     raise self._timeout_error(
-                        f"rollout rank(s) {ranks}", f"WRITE of bucket {write.message.bucket_index}"
+                        self._labels(self._peers.get(i, -1) for i in pending),
+                        f"WRITE of bucket {write.message.bucket_index}",
                     )
                 time.sleep(0.0002)  # check_xfer_state progresses UCX; don't spin a core
         self._writes.finish(self._agent)

@@ -30,13 +30,27 @@ from verl_fastsync.chunks import (
     unpack_item,
 )
 from verl_fastsync.io.fence import synchronize_device
-from verl_fastsync.transports.base import SENDER_RANK, TransferStats, TransportError
+from verl_fastsync.transports.base import SENDER_RANK, PeerAbortedError, TransferStats, TransportError
 from verl_fastsync.transports.lifecycle import InFlight, TransportCore
 from verl_fastsync.wire import Abort, BucketReady, SyncEnd
 
-__all__ = ["SendingTransport", "aiter_items", "delta_flush_bytes", "flush_every"]
+__all__ = [
+    "SendingTransport",
+    "abort_for",
+    "aiter_items",
+    "delta_flush_bytes",
+    "flush_every",
+]
 
 Item = tuple[str, torch.Tensor]
+
+
+def abort_for(exc: BaseException, rank: int | None, reason: str) -> Abort:
+    """The ``Abort`` a side sends when it fails with ``exc``: the first failure's origin and cause
+    when ``exc`` relays another rank's, else ``reason`` from ``rank`` (this side)."""
+    if isinstance(exc, PeerAbortedError) and exc.cause is not None:
+        return Abort(reason=exc.cause, rank=exc.origin)
+    return Abort(reason=reason, rank=rank)
 
 
 class SendingTransport(TransportCore):
@@ -157,7 +171,7 @@ class SendingTransport(TransportCore):
             )
         except BaseException as exc:
             try:
-                self._post_abort(Abort(reason=f"{type(exc).__name__}: {exc}", rank=self.rank))
+                self._post_abort(abort_for(exc, self.rank, f"{type(exc).__name__}: {exc}"))
             finally:
                 self._safe_close()
             raise

@@ -58,6 +58,10 @@ DEFAULT_SLOTS = 3
 
 _Segment = Segment  # the name tests and older code use
 
+ABORT_GRACE_S = 1.0
+"""A receiver that finds a segment gone waits this long for the sender's ``Abort`` (it precedes the
+unlink, but may arrive after the message that named the segment)."""
+
 
 def validate_slots(key: str, value: object) -> int:
     """``engine_kwargs.fastsync.slots``: how many shared-memory buckets the sender fills in turn."""
@@ -124,18 +128,23 @@ class ShmTransport(ControlledTransport):
         cls, actor_metadata: list[dict[str, Any]], rollout_metadata: list[dict[str, Any]]
     ) -> dict[str, Any]:
         master = actor_metadata[0]
+        # the sender's name: a lane's sender says which trainer rank it is (``label`` in its
+        # metadata); a single-sender group's sender is trainer rank 0
+        sender = str(master.get("label") or "trainer rank 0")
         endpoint = master.get("endpoint")
         if not endpoint:
             raise TransportError(
-                "shm transport: trainer rank 0 reported no control endpoint "
-                "(was it created with is_master=True?)"
+                f"shm transport: {sender} reported no control endpoint (was it created with is_master=True?)"
             )
-        hosts = {m.get("host") for m in rollout_metadata}
-        if hosts - {master.get("host")}:
+        elsewhere = [
+            f"rollout rank {j} on {m.get('host')!r}"
+            for j, m in enumerate(rollout_metadata)
+            if m.get("host") != master.get("host")
+        ]
+        if elsewhere:
             raise TransportError(
-                "shm transport needs trainer rank 0 and every rollout rank on one host; "
-                f"trainer rank 0 is on "
-                f"{master.get('host')!r}, rollout ranks on {sorted(str(h) for h in hosts)}; use gloo or nixl"
+                f"shm transport needs its sender and every rollout rank on one host: {sender} is on "
+                f"{master.get('host')!r}, {', '.join(elsewhere)}; use gloo or nixl across hosts"
             )
         return {"endpoint": endpoint}
 
@@ -276,7 +285,7 @@ class ShmTransport(ControlledTransport):
         self._release_buffers()
         if len(welcome.buffers) < self.slots:
             raise TransportError(
-                f"shm transport: the sender named {len(welcome.buffers)} segments, expected at least "
+                f"{self.me}: the sender named {len(welcome.buffers)} segments, expected at least "
                 f"{self.slots} (one per slot)"
             )
         for name in welcome.buffers:
@@ -288,7 +297,14 @@ class ShmTransport(ControlledTransport):
             try:
                 seg = Segment.attach(name, self.bucket_size)
             except SegmentError as exc:
-                raise TransportError(f"shm transport: {exc}") from exc
+                # the sender unlinks its segments when its sync fails, right after it sent the Abort
+                # that says why: that reason is the failure, a missing segment only its symptom
+                self._raise_pending_abort(grace_s=ABORT_GRACE_S)
+                raise TransportError(
+                    f"{self.me}: {exc}; {self.label(0)} released it before this rank mapped it and "
+                    f"sent no reason within {ABORT_GRACE_S:g}s (it died, or its sync failed); "
+                    f"{self.inflight.describe()}"
+                ) from exc
             self._pool[name] = seg
         return seg
 
@@ -317,7 +333,7 @@ class ShmTransport(ControlledTransport):
         self._check_slot(slot)
         seg = self._pool.get(self._slot_names[slot])
         if seg is None or seg.tensor is None:
-            raise TransportError(f"shm transport: no segment is mapped for slot {slot}")
+            raise TransportError(f"{self.me}: no segment is mapped for slot {slot}")
         return seg.tensor
 
     def _lend_bucket(self, slot: int, buffer: torch.Tensor) -> tuple[torch.Tensor, Lease]:
