@@ -207,7 +207,4 @@ class TransportCore(EngineTransport):
         )
 
     def _abort_error(self, peer: str, reason: str) -> PeerAbortedError:
-        return PeerAbortedError(
-            f"{self.me}: {peer} aborted the sync: {reason}; "
-            f"{self.inflight.describe()}"
-        )
+        return PeerAbortedError(f"{self.me}: {peer} aborted the sync: {reason}; {self.inflight.describe()}")
