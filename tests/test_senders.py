@@ -97,7 +97,8 @@ def test_the_receivers_bookkeeping_names_the_sender() -> None:
     twice = tally()
     twice.take(0, "a", torch.zeros(8, dtype=torch.uint8))
     with pytest.raises(
-        TransportError, match=r"'a' arrived twice, from trainer rank 0 \(lane 0\) and from trainer rank 3 \(lane 1\)"
+        TransportError,
+        match=r"'a' arrived twice, from trainer rank 0 \(lane 0\) and from trainer rank 3 \(lane 1\)",
     ):
         twice.take(1, "a", torch.zeros(8, dtype=torch.uint8))
 

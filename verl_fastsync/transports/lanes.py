@@ -320,22 +320,32 @@ class LanesTransport(EngineTransport):
             else 0
         )
 
+        # the other lanes' bytes after which this lane's pending descriptions go out at once (a
+        # rollout rank holds what it got until every sender described it; see lanes_plan)
+        describe_every = transport.bucket_size if isinstance(transport, SendingTransport) else 0
+
         async def share() -> AsyncIterator[tuple[str, torch.Tensor] | FlushBucket]:
-            since = 0
+            since = foreign = 0
             async for name, tensor in aiter_items(named_tensors):
                 nbytes = tensor_nbytes(tensor)
                 dtype = str(tensor.dtype).removeprefix("torch.")
-                if plan.assign(name, nbytes, dtype, tensor.shape) == self.lane:
-                    # what this sender walked up to here, its own tensor last (see lanes_plan)
+                mine = plan.assign(name, nbytes, dtype, tensor.shape) == self.lane
+                foreign += 0 if mine else nbytes
+                if mine or (describe_every and foreign >= describe_every):
+                    # what this sender walked up to here (its own tensor last)
                     record = plan.descriptions()
                     if record is not None:
                         extra[0], extra[1] = extra[0] + tensor_nbytes(record[1]), extra[1] + 1
                         yield record
+                if mine:
                     yield encode(name, tensor) if encode is not None else (name, tensor)
                     since += nbytes
                     if every and since >= every:
-                        since = 0
+                        since = foreign = 0
                         yield FLUSH_BUCKET
+                elif describe_every and foreign >= describe_every:
+                    since = foreign = 0
+                    yield FLUSH_BUCKET
                 del tensor  # not ours, or the transport owns its bytes now
             record = plan.descriptions()
             if record is not None:
@@ -386,23 +396,30 @@ class LanesTransport(EngineTransport):
                         name, tensor = future.result()
                     except StopAsyncIteration:
                         tally.end(lane)
-                        continue
+                        out = tally.release()  # (a lane that walked fewer tensors raises here)
                     except BaseException as exc:
                         failed_lane = lane
                         raise _lane_error(exc, self._label(lane)) from exc
-                    holding = lane
-                    if name == MANIFEST_NAME:
-                        tally.manifest(lane, read_manifest(tensor, self._label(lane)))
-                    elif name.startswith(DESCRIPTIONS_NAME):
-                        tally.describe(lane, read_descriptions(tensor, self._label(lane)))
                     else:
-                        if decode is not None:
-                            name, tensor = decode(name, tensor)
-                        tally.take(lane, name, tensor)
-                        yield name, tensor
+                        holding = lane  # its stream is suspended at its yield until resumed below
+                        out = []
+                        if name == MANIFEST_NAME:
+                            tally.manifest(lane, read_manifest(tensor, self._label(lane)))
+                        elif name.startswith(DESCRIPTIONS_NAME):
+                            tally.describe(lane, read_descriptions(tensor, self._label(lane)))
+                            out = tally.release()
+                        else:
+                            if decode is not None:
+                                name, tensor = decode(name, tensor)
+                            out = tally.hand_out(tally.take(lane, name, tensor), name, tensor)
+                        del tensor  # held (as its own copy where lent) or handed out below
+                    while out:
+                        item = out.pop(0)
+                        yield item
                         yielded += 1
-                    del tensor  # keep nothing the consumer moved on from
-                    pending[lane] = asyncio.ensure_future(streams[lane].__anext__())
+                        del item  # keep nothing the consumer moved on from
+                    if holding == lane:
+                        pending[lane] = asyncio.ensure_future(streams[lane].__anext__())
                     holding = -1
             tally.finish()
         except BaseException as exc:

@@ -15,10 +15,12 @@ since its last ones, its own and the other lanes' (:data:`DESCRIPTIONS_NAME`, a 
 tensor in the same bucket). A receiver so learns every sender's view of the whole sequence as the
 lanes progress, and compares them per position (:class:`LaneTally`): trainer ranks that disagree (a
 name, a dtype, a shape, a size, the order) fail the sync naming the first position they differ at and
-both trainer ranks, and a tensor is checked against every description of its position known when it
-arrives, before it is handed out. (A tensor can arrive before a slower lane has described it: the
-senders do not talk to each other, and holding it until every lane has would stall the lanes of a
-collective producer; the end of the sync checks every position.)
+both trainer ranks, and a tensor is handed out only once every sender has described its position
+alike. A tensor that arrives before a slower lane described it is held meanwhile (its own copy where
+it was a view into a lane's bucket, so that no lane ever waits for the rollout: the trainer ranks'
+producer may be collective, and a stalled lane would stall every sender); a sender puts its pending
+descriptions out at once (a bucket flush) after each bucket's worth of the other lanes' bytes, which
+bounds what a rollout rank holds to about one bucket a lane.
 
 **The manifest.** The last item of every lane is a :class:`~verl_fastsync.wire.LaneManifest` (tensor
 name :data:`MANIFEST_NAME`, a ``uint8`` tensor carried like any weight): what each lane was planned
@@ -206,7 +208,10 @@ class LaneTally:
         self.next_own: list[int] = [-1] * len(self.senders)
         """The position of the tensor each lane carries next (the last one it described)."""
         self.handed: set[int] = set()
-        """Positions of the tensors handed out (checked against every description known then)."""
+        """Positions of the tensors handed out (every sender had described them alike)."""
+        self.held: list[tuple[int, str, torch.Tensor]] = []
+        """Tensors that arrived before every sender described their position, in arrival order."""
+        self.held_bytes = 0
 
     def sender(self, lane: int) -> str:
         return f"trainer rank {self.senders[lane]} (lane {lane})"
@@ -246,9 +251,56 @@ class LaneTally:
             )
         return "that tensor was not handed to the rollout"
 
-    def take(self, lane: int, name: str, tensor: torch.Tensor) -> None:
-        """A tensor arrived complete on ``lane``; raises before it is handed out twice or handed out
-        unlike what any sender described at its position."""
+    def ready(self, position: int) -> bool:
+        """Every sender described ``position`` (a lane that ended without: a shorter walk, raised)."""
+        for lane, mine in enumerate(self.described):
+            if position >= len(mine):
+                if self.ended[lane]:
+                    self._shorter(lane)
+                return False
+        return True
+
+    def _shorter(self, lane: int) -> None:
+        long = max(range(len(self.described)), key=lambda other: len(self.described[other]))
+        have = len(self.described[lane])
+        raise TransportError(
+            f"{self.who}: the trainer ranks disagree about what they send: {self.sender(lane)} walked "
+            f"{have} tensors and {self.sender(long)} more (its tensor at position {have}: "
+            f"{self.described[long][have]}); every trainer rank must produce the same weights; "
+            f"{self._handed_text(have)}"
+        )
+
+    def hand_out(self, position: int, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """What may be handed out now that ``tensor`` (at ``position``; -1: not described) arrived:
+        itself if every sender described its position, else nothing (it is held, as its own copy
+        where it is a view into a bigger buffer such as a lane's bucket)."""
+        if position < 0 or self.ready(position):
+            self.handed.add(position)
+            return [(name, tensor)]
+        if tensor.untyped_storage().nbytes() > tensor_nbytes(tensor):
+            tensor = tensor.clone()  # a lent view: the lane may refill its bucket meanwhile
+        self.held.append((position, name, tensor))
+        self.held_bytes += tensor_nbytes(tensor)
+        return []
+
+    def release(self) -> list[tuple[str, torch.Tensor]]:
+        """The held tensors every sender has described by now (after a description record or the
+        end of a lane), in arrival order."""
+        out: list[tuple[str, torch.Tensor]] = []
+        keep: list[tuple[int, str, torch.Tensor]] = []
+        for position, name, tensor in self.held:
+            if self.ready(position):
+                self.handed.add(position)
+                self.held_bytes -= tensor_nbytes(tensor)
+                out.append((name, tensor))
+            else:
+                keep.append((position, name, tensor))
+        self.held = keep
+        return out
+
+    def take(self, lane: int, name: str, tensor: torch.Tensor) -> int:
+        """A tensor arrived complete on ``lane``; raises before it is handed out twice or unlike what
+        any sender described at its position. Returns its position (-1: its sender described none)."""
         if self.manifests[lane] is not None:
             raise TransportError(f"{self.who}: {self.sender(lane)} sent tensor {name!r} after its manifest")
         earlier = self.seen.get(name)
@@ -269,10 +321,10 @@ class LaneTally:
                 if other != lane and position < len(theirs) and theirs[position] != got:
                     self._disagree(position, other, theirs[position], lane, got)
             self.next_own[lane] = -1
-            self.handed.add(position)
         self.seen[name] = lane
         self.counts[lane] += 1
         self.nbytes[lane] += tensor_nbytes(tensor)
+        return position
 
     def manifest(self, lane: int, manifest: LaneManifest) -> None:
         if self.manifests[lane] is not None:
@@ -307,14 +359,9 @@ class LaneTally:
             raise TransportError(f"{self.who}: no manifest from {', '.join(missing)}")
         lengths = [len(d) for d in self.described]
         if any(lengths) and len(set(lengths)) > 1:
-            short = min(range(len(lengths)), key=lambda lane: lengths[lane])
-            long = max(range(len(lengths)), key=lambda lane: lengths[lane])
-            raise TransportError(
-                f"{self.who}: the trainer ranks disagree about what they send: {self.sender(short)} walked "
-                f"{lengths[short]} tensors and {self.sender(long)} {lengths[long]} (the first it has "
-                f"beyond: {self.described[long][lengths[short]]}); every trainer rank must produce the "
-                "same weights"
-            )
+            self._shorter(min(range(len(lengths)), key=lambda lane: lengths[lane]))
+        if self.held:  # pragma: no cover - implied: every lane ended and described alike
+            raise TransportError(f"{self.who}: {len(self.held)} tensors were never described by every sender")
         first = manifests[0]
         for lane, manifest in enumerate(manifests):
             planned = (manifest.digest, manifest.counts, manifest.nbytes)
