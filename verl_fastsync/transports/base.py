@@ -126,6 +126,8 @@ def failure_reason(exc: BaseException, tensors: int | None = None) -> str:
         after = "" if tensors is None else f" after {tensors} tensors"
         return f"the consumer stopped before the end of the sync (its receive stream was closed{after})"
     if isinstance(exc, asyncio.CancelledError):
+        if exc.args and isinstance(exc.args[0], ConsumerError):
+            return str(exc.args[0])  # a stream cancelled with its reason (the lanes of several senders)
         return f"the consumer's task was cancelled{f' ({exc})' if str(exc) else ''}"
     return f"{type(exc).__name__}: {exc}"
 

@@ -21,9 +21,17 @@ receiver in it. :class:`LanesTransport` presents ``K`` lanes as one
   the stream with an error naming the sender trainer rank; every other lane still running is closed
   with that reason, so its sender fails too, with it. A sender whose lane had already ended returns
   normally (its bytes all arrived); the sync fails on the rollout ranks and on the failing sender.
+  Trainer ranks that disagree about the weights fail the sync naming the first difference and both
+  ranks (:class:`~verl_fastsync.transports.lanes_plan.LaneTally`).
+* Joining: a rollout rank joins its lanes concurrently (a lane whose join fails does not keep the
+  others waiting for its hello); when one fails it aborts every lane with the cause, naming itself
+  and the lane, so the senders learn it from the lanes' own abort path.
+* Names: each lane's ``rank_labels`` name its sender "trainer rank s (lane k)" and the receivers
+  "rollout rank j" (verl's ranks), so every lane transport's errors name verl's ranks.
 
-Memory: a rollout rank holds each lane's buckets (``K`` x the single-sender figure); a sender holds
-one lane's. ``bucket_bytes=auto`` sizes against the rollout's free memory divided by ``K``.
+Memory: a rollout rank holds each lane's buckets; a sender holds one lane's. ``bucket_bytes=auto``
+sizes a lane's bucket from its share of the model, so the ``K`` lanes of a rollout rank hold about
+what one sender's buckets take (:func:`verl_fastsync.verl.engine.resolve_auto_bucket_size`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import torch
@@ -46,21 +55,30 @@ from verl_fastsync.transports.base import (
     TransportError,
     TransportOptions,
     failure_reason,
+    rank_labels,
 )
 from verl_fastsync.transports.lanes_plan import (
+    DESCRIPTIONS_NAME,
     MANIFEST_NAME,
     LanePlan,
     LaneTally,
     choose_senders,
+    is_reserved,
     manifest_tensor,
+    read_descriptions,
     read_manifest,
     tensor_nbytes,
 )
 from verl_fastsync.transports.sending import SendingTransport, aiter_items, delta_flush_bytes
 
-__all__ = ["LanesTransport", "lanes_topology"]
+__all__ = ["LanesTransport", "lane_label", "lanes_topology"]
 
 ItemMap = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
+
+
+def lane_label(sender: int, lane: int) -> str:
+    """verl's name of a lane's sender."""
+    return f"trainer rank {sender} (lane {lane})"
 
 
 def lanes_topology(
@@ -109,6 +127,9 @@ def lanes_topology(
             held = meta.get("lanes") or []
             lane_meta.append(held[lane] if lane < len(held) else meta["fresh"])
         lane_actor, lane_rollout = factory.build_topology(1, rollout_world_size, lane_meta)
+        labels = rank_labels(rollout_world_size, sender=lane_label(sender, lane))
+        lane_actor["rank_labels"] = [labels]
+        lane_rollout["rank_labels"] = [labels] * rollout_world_size
         actor["lane_kwargs"][sender] = {key: values[0] for key, values in lane_actor.items()}
         for index in range(rollout_world_size):
             rollout["lane_kwargs"][index].append({key: values[index] for key, values in lane_rollout.items()})
@@ -122,6 +143,14 @@ def _as_generator(
     if isinstance(stream, AsyncGenerator):
         return stream
     return aiter_items(stream)
+
+
+def _is_control(future: asyncio.Future[Any]) -> bool:
+    """A lane's finished ``__anext__`` holds something other than a weight (a description record,
+    the manifest, the end or an error)."""
+    if future.cancelled() or future.exception() is not None:
+        return True
+    return is_reserved(str(future.result()[0]))
 
 
 def _lane_error(exc: BaseException, label: str) -> BaseException:
@@ -182,8 +211,15 @@ class LanesTransport(EngineTransport):
         raise TransportError("LanesTransport: use lanes_topology(factory, senders, ...) (it needs both)")
 
     def buffer_device(self) -> str:
-        device = getattr(self.lanes[0], "buffer_device", None) if self.lanes else None
-        return str(device()) if callable(device) else self.options.device
+        """Where a lane's buffers live (a device transport's accelerator, from the first sync on: a
+        rollout rank that holds no lane yet asks a fresh one)."""
+        probe = self.lanes[0] if self.lanes else self.factory(self.lane_options)
+        try:
+            device = getattr(probe, "buffer_device", None)
+            return str(device()) if callable(device) else self.options.device
+        finally:
+            if not self.lanes:
+                probe.finalize()
 
     def init_process_group(self, **kwargs: Any) -> None:
         self.rank = int(kwargs["rank"])
@@ -202,14 +238,40 @@ class LanesTransport(EngineTransport):
         for extra in self.lanes[len(lane_kwargs) :]:
             extra.finalize()
         del self.lanes[len(lane_kwargs) :]
-        for lane, (transport, lane_kw) in enumerate(zip(self.lanes, lane_kwargs, strict=True)):
+        self._join([dict(lane_kw, bucket_size=size) for lane_kw in lane_kwargs], kwargs.get("rank_labels"))
+
+    def _join(self, lane_kwargs: list[dict[str, Any]], labels: Any) -> None:
+        """Join every lane at once (one thread each: a lane's handshake waits for every receiver's
+        hello, and a lane that cannot be joined must not keep this rank from saying hello on the
+        others). If one fails, every lane is aborted with the first cause, naming this rollout rank
+        and the lane."""
+        me = self._me(labels)
+
+        def join(lane: int) -> BaseException | None:
             try:
-                transport.init_process_group(**dict(lane_kw, bucket_size=size))
+                self.lanes[lane].init_process_group(**lane_kwargs[lane])
             except BaseException as exc:
-                label = self._label(lane)
-                for other in self.lanes[:lane]:
-                    self._abort_lane(other, f"rollout rank {self.rank} could not join {label}: {exc}")
-                raise _lane_error(exc, label) from exc
+                return exc
+            return None
+
+        with ThreadPoolExecutor(max_workers=len(self.lanes), thread_name_prefix="fastsync-lanes") as pool:
+            errors = list(pool.map(join, range(len(self.lanes))))
+        failed = [lane for lane, exc in enumerate(errors) if exc is not None]
+        if not failed:
+            return
+        lane = failed[0]
+        exc = errors[lane]
+        assert exc is not None
+        reason = f"{me} could not join {self._label(lane)}: {failure_reason(exc)}"
+        self.abort_receive(reason)
+        raise TransportError(reason) from exc
+
+    def _me(self, labels: Any = None) -> str:
+        """verl's name of this rank ("rollout rank j"; the topology's label where it gave one)."""
+        rank = self.rank if self.rank is not None else 0
+        if isinstance(labels, list | tuple) and 0 <= rank < len(labels):
+            return str(labels[rank])
+        return f"rollout rank {rank - 1}" if rank >= 1 else f"trainer rank {self.senders[self.lane]}"
 
     def finalize(self) -> None:
         for transport in self.lanes:
@@ -220,7 +282,7 @@ class LanesTransport(EngineTransport):
         return self._stats
 
     def _label(self, lane: int) -> str:
-        return f"sender trainer rank {self.senders[lane]} (lane {lane} of {len(self.senders)})"
+        return lane_label(self.senders[lane], lane)
 
     @staticmethod
     def _abort_lane(transport: EngineTransport, reason: str) -> None:
@@ -247,7 +309,7 @@ class LanesTransport(EngineTransport):
                 pass
             return TransferStats()
         plan = LanePlan(len(self.senders))
-        manifest_bytes = 0
+        extra = [0, 0]  # bytes and items of this lane's descriptions and manifest (not weights)
         encode = self.encode_item
         transport = self.lanes[0]
         # encoded items are a fraction of the bytes they stand for: a bucket goes out after each
@@ -258,20 +320,39 @@ class LanesTransport(EngineTransport):
             else 0
         )
 
+        # the other lanes' bytes after which this lane's pending descriptions go out at once (a
+        # rollout rank holds what it got until every sender described it; see lanes_plan)
+        describe_every = transport.bucket_size if isinstance(transport, SendingTransport) else 0
+
         async def share() -> AsyncIterator[tuple[str, torch.Tensor] | FlushBucket]:
-            nonlocal manifest_bytes
-            since = 0
+            since = foreign = 0
             async for name, tensor in aiter_items(named_tensors):
                 nbytes = tensor_nbytes(tensor)
-                if plan.assign(name, nbytes) == self.lane:
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                mine = plan.assign(name, nbytes, dtype, tensor.shape) == self.lane
+                foreign += 0 if mine else nbytes
+                if mine or (describe_every and foreign >= describe_every):
+                    # what this sender walked up to here (its own tensor last)
+                    record = plan.descriptions()
+                    if record is not None:
+                        extra[0], extra[1] = extra[0] + tensor_nbytes(record[1]), extra[1] + 1
+                        yield record
+                if mine:
                     yield encode(name, tensor) if encode is not None else (name, tensor)
                     since += nbytes
                     if every and since >= every:
-                        since = 0
+                        since = foreign = 0
                         yield FLUSH_BUCKET
+                elif describe_every and foreign >= describe_every:
+                    since = foreign = 0
+                    yield FLUSH_BUCKET
                 del tensor  # not ours, or the transport owns its bytes now
+            record = plan.descriptions()
+            if record is not None:
+                extra[0], extra[1] = extra[0] + tensor_nbytes(record[1]), extra[1] + 1
+                yield record
             manifest = manifest_tensor(plan.manifest(self.lane, self.senders[self.lane]))
-            manifest_bytes = tensor_nbytes(manifest)
+            extra[0], extra[1] = extra[0] + tensor_nbytes(manifest), extra[1] + 1
             yield MANIFEST_NAME, manifest
 
         if isinstance(transport, SendingTransport):
@@ -280,7 +361,7 @@ class LanesTransport(EngineTransport):
             stats = await transport.send(cast(AsyncIterator[tuple[str, torch.Tensor]], share()), align=align)
         self.model_bytes = plan.total_bytes
         stats = dataclasses.replace(
-            stats, bytes=stats.bytes - manifest_bytes, tensors=max(stats.tensors - 1, 0)
+            stats, bytes=stats.bytes - extra[0], tensors=max(stats.tensors - extra[1], 0)
         )
         self._stats = stats
         return stats
@@ -292,7 +373,7 @@ class LanesTransport(EngineTransport):
             raise TransportError(
                 f"fastsync senders: receive() on rank {self.rank}; only rollout ranks receive"
             )
-        who = f"{self.lanes[0].name} transport, rollout rank {self.rank}"
+        who = f"{self.lanes[0].name} transport, rollout rank {self.rank - 1}"
         decode = self.decode_item
         tally = LaneTally(self.senders, who)
         streams = [_as_generator(transport.receive()) for transport in self.lanes]
@@ -307,27 +388,38 @@ class LanesTransport(EngineTransport):
                 pending[lane] = asyncio.ensure_future(stream.__anext__())
             while pending:
                 await asyncio.wait(list(pending.values()), return_when=asyncio.FIRST_COMPLETED)
-                for lane in sorted(lane for lane, fut in pending.items() if fut.done()):
+                # descriptions, manifests and ends first: a tensor is checked against all known
+                done = sorted((not _is_control(fut), lane) for lane, fut in pending.items() if fut.done())
+                for _data, lane in done:
                     future = pending.pop(lane)
                     try:
                         name, tensor = future.result()
                     except StopAsyncIteration:
                         tally.end(lane)
-                        continue
+                        out = tally.release()  # (a lane that walked fewer tensors raises here)
                     except BaseException as exc:
                         failed_lane = lane
                         raise _lane_error(exc, self._label(lane)) from exc
-                    holding = lane
-                    if name == MANIFEST_NAME:
-                        tally.manifest(lane, read_manifest(tensor, self._label(lane)))
                     else:
-                        if decode is not None:
-                            name, tensor = decode(name, tensor)
-                        tally.take(lane, name, tensor)
-                        yield name, tensor
+                        holding = lane  # its stream is suspended at its yield until resumed below
+                        out = []
+                        if name == MANIFEST_NAME:
+                            tally.manifest(lane, read_manifest(tensor, self._label(lane)))
+                        elif name.startswith(DESCRIPTIONS_NAME):
+                            tally.describe(lane, read_descriptions(tensor, self._label(lane)))
+                            out = tally.release()
+                        else:
+                            if decode is not None:
+                                name, tensor = decode(name, tensor)
+                            out = tally.hand_out(tally.take(lane, name, tensor), name, tensor)
+                        del tensor  # held (as its own copy where lent) or handed out below
+                    while out:
+                        item = out.pop(0)
+                        yield item
                         yielded += 1
-                    del tensor  # keep nothing the consumer moved on from
-                    pending[lane] = asyncio.ensure_future(streams[lane].__anext__())
+                        del item  # keep nothing the consumer moved on from
+                    if holding == lane:
+                        pending[lane] = asyncio.ensure_future(streams[lane].__anext__())
                     holding = -1
             tally.finish()
         except BaseException as exc:
@@ -361,7 +453,8 @@ class LanesTransport(EngineTransport):
                 with contextlib.suppress(BaseException):
                     await streams[lane].athrow(ConsumerError(reason))
             else:
-                future.cancel(msg=reason)
+                # running: the cancellation carries the reason to the lane's failure path
+                future.cancel(msg=ConsumerError(reason))
                 with contextlib.suppress(BaseException):
                     await future
         pending.clear()

@@ -17,16 +17,22 @@ Select it with::
   ``auto`` sizes the bucket from the model and from free memory:
 
   - model: ``model bytes / AUTO_DIVISOR`` (16), clamped to [:data:`AUTO_FLOOR`, :data:`AUTO_CAP`]
-    = [16 MiB, 512 MiB]. The model's size is what trainer rank 0 sent in the previous sync; before
-    the first sync it is unknown and :data:`AUTO_FIRST` (64 MiB) is used. A 160 MiB model gets
-    16 MiB buckets, a 2 GiB model 128 MiB, models from 8 GiB up 512 MiB.
+    = [16 MiB, 512 MiB]. The model's size is what the trainer sent in the previous sync (every
+    lane's share added up); before the first sync it is unknown and :data:`AUTO_FIRST` (64 MiB) is
+    used. A 160 MiB model gets 16 MiB buckets, a 2 GiB model 128 MiB, models from 8 GiB up 512 MiB.
+  - lanes: with ``K`` senders (``senders``) each lane's bucket is that figure divided by ``K``
+    (rounded up to a MiB, at least the floor): a rollout rank holds the buckets of every lane, so
+    its ``K`` lanes together take about what one sender's buckets take (a 16 GiB model, 8 senders:
+    64 MiB a lane, 8 x 64 MiB = the 512 MiB of one sender).
   - memory: at most :data:`AUTO_FRACTION` (5%) of the smallest free memory among the participating
-    ranks (trainer rank 0 and every rollout rank; device memory for device transports, host
+    ranks (every sending trainer rank and every rollout rank; a rollout rank's free memory divided
+    by the ``K`` lanes it holds buckets of), rounded down to a MiB. Free memory is the device's for
+    device transports (``nccl``: its buffers live on the accelerator, from the first sync on), host
     ``MemAvailable`` for CPU ones, or what the process's memory cgroup still allows where that is
-    less), rounded down to a MiB. When that is below the floor, the topology step fails naming the
-    rank.
+    less. When that is below the floor, the topology step fails naming the rank.
 
-  Each side holds two buckets for the engine's lifetime (shm keeps its segments between syncs).
+  Each side holds two buckets a lane for the engine's lifetime (shm keeps its segments between
+  syncs).
 * ``timeout_s`` (default 600): limit of every blocking wait; on expiry the error names the peer,
   the phase, the bucket index and the tensor in flight.
 * ``verify`` (default false): xxhash checksum per chunk, checked by the receiver.
@@ -84,7 +90,6 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from verl_fastsync.chunks import leading_slice_bytes, validate_bucket_size
 from verl_fastsync.config import engine_bucket_size, parse_bucket_bytes
 from verl_fastsync.delta.stream import DeltaDecoder, DeltaEncoder
-from verl_fastsync.limits import host_memory_available
 from verl_fastsync.selection import parse_engine_kwargs
 from verl_fastsync.transports.base import (
     EngineTransport,
@@ -95,6 +100,15 @@ from verl_fastsync.transports.base import (
 )
 from verl_fastsync.transports.lanes import LanesTransport, lanes_topology
 from verl_fastsync.transports.sending import SendingTransport, delta_flush_bytes, flush_every
+from verl_fastsync.verl.sizing import (
+    AUTO_CAP,
+    AUTO_DIVISOR,
+    AUTO_FIRST,
+    AUTO_FLOOR,
+    AUTO_FRACTION,
+    free_memory_bytes,
+    resolve_auto_bucket_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,50 +127,6 @@ __all__ = [
 ]
 
 ENGINE_NAME = "fastsync"
-AUTO_FRACTION = 0.05
-"""``bucket_bytes=auto``: one bucket is at most this fraction of the smallest free memory."""
-AUTO_FLOOR = 16 << 20
-"""``auto`` never goes below 16 MiB; a rank with less than ``AUTO_FLOOR / AUTO_FRACTION`` free fails."""
-AUTO_CAP = 512 << 20
-"""``auto`` never goes above 512 MiB."""
-AUTO_DIVISOR = 16
-"""``auto``: one bucket is the model's bytes divided by this (clamped to [floor, cap])."""
-AUTO_FIRST = 64 << 20
-"""``auto`` before the first sync, when the model's size is not known yet."""
-
-
-def free_memory_bytes(device: str) -> int:
-    """Free memory where buckets live: the accelerator's free memory for a device, else host
-    ``MemAvailable``."""
-    dev = torch.device(device)
-    if dev.type != "cpu":
-        from verl.utils.device import get_torch_device
-
-        free, _total = get_torch_device().mem_get_info(dev)
-        return int(free)
-    return host_memory_available()
-
-
-def resolve_auto_bucket_size(free_bytes: list[tuple[str, int]], model_bytes: int | None = None) -> int:
-    """The ``auto`` bucket size for ``[(rank label, free bytes), ...]`` and the model's size in
-    bytes (``None``: not known yet); see the module docstring."""
-    if not free_bytes:
-        raise ValueError("bucket_bytes=auto: no participating rank reported its free memory")
-    label, smallest = min(free_bytes, key=lambda item: item[1])
-    by_memory = int(smallest * AUTO_FRACTION) // (1 << 20) * (1 << 20)
-    if by_memory < AUTO_FLOOR:
-        raise ValueError(
-            f"bucket_bytes=auto: {label} has only {smallest / 2**20:.0f} MiB free; auto needs at least "
-            f"{AUTO_FLOOR / AUTO_FRACTION / 2**20:.0f} MiB ({AUTO_FRACTION:.0%} of it per bucket, floor "
-            f"{AUTO_FLOOR >> 20} MiB); set an explicit bucket_bytes"
-        )
-    if model_bytes is None or model_bytes <= 0:
-        by_model = AUTO_FIRST
-    else:
-        by_model = -(-model_bytes // AUTO_DIVISOR)
-        by_model = -(-by_model // (1 << 20)) * (1 << 20)  # whole MiB, rounded up
-    by_model = min(max(by_model, AUTO_FLOOR), AUTO_CAP)
-    return min(by_model, by_memory)
 
 
 def _select_factory(name: str) -> EngineTransportFactory:
@@ -244,6 +214,9 @@ class FastsyncCheckpointEngine(CheckpointEngine):
     # -- verl protocol -----------------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:
+        # the transport first: a multi-sender trainer rank makes its lane there, and auto sizes
+        # against the memory its buffers live in
+        transport_meta = self.transport.prepare()
         return {
             "engine": ENGINE_NAME,
             "transport": self.transport_name,
@@ -253,7 +226,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             "free_bytes": free_memory_bytes(self._buffer_device()) if self.bucket_size is None else None,
             "model_bytes": self.model_bytes,
             "delta": {"epoch": self._delta_epoch(), "off": self._delta_off()} if self.delta else None,
-            "transport_meta": self.transport.prepare(),
+            "transport_meta": transport_meta,
         }
 
     def _delta_epoch(self) -> str | None:
@@ -311,19 +284,20 @@ class FastsyncCheckpointEngine(CheckpointEngine):
                 factory, number, actor_world_size, rollout_world_size, transport_meta
             )
             lanes = len(actor["lane_senders"][0])
-        participants = [metadata[0], *metadata[actor_world_size:]]
-        labels = ["trainer rank 0"] + [f"rollout rank {i}" for i in range(rollout_world_size)]
-        sizes = {m.get("bucket_size") for m in participants}
+        sending = [r for r, lane in enumerate(actor.get("lane", [0])) if lane >= 0]
+        participants = [(f"trainer rank {r}", metadata[r], 1) for r in sending]
+        # a rollout rank holds the buckets of every lane
+        participants += [(f"rollout rank {j}", m, lanes) for j, m in enumerate(metadata[actor_world_size:])]
+        sizes = {m.get("bucket_size") for _, m, _ in participants}
         if len(sizes) != 1:
             raise ValueError(f"fastsync: ranks disagree on the bucket size: {sorted(map(str, sizes))}")
         size = sizes.pop()
         if size is None:
             model_bytes = metadata[0].get("model_bytes")
-            # a rollout rank holds the buckets of every lane
-            free = [int(m["free_bytes"]) // (1 if i == 0 else lanes) for i, m in enumerate(participants)]
             size = resolve_auto_bucket_size(
-                list(zip(labels, free, strict=True)),
+                [(label, int(m["free_bytes"]), held) for label, m, held in participants],
                 int(model_bytes) if isinstance(model_bytes, int) else None,
+                lanes,
             )
         actor["bucket_size"] = [size] * actor_world_size
         rollout["bucket_size"] = [size] * rollout_world_size
@@ -331,7 +305,6 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         if len(deltas) != 1:
             raise ValueError("fastsync: ranks disagree on engine_kwargs.fastsync.delta")
         if deltas.pop():
-            sending = [r for r, lane in enumerate(actor.get("lane", [0])) if lane >= 0]
             sides = [(f"trainer rank {r}", metadata[r]["delta"]) for r in sending]
             sides += [(f"rollout rank {r}", m["delta"]) for r, m in enumerate(metadata[actor_world_size:])]
             epochs = {side.get("epoch") for _, side in sides}
