@@ -29,12 +29,10 @@ the sync only; the next sync reuses them while the peers are the same:
   So does a side that has not taken a whole sync to its end on the group since it last connected
   (``init_process_group`` without a complete ``send``/``receive``): a peer's broadcasts may still be
   unread in its sockets, and reusing the group would hand them to the next sync.
-* A stale topology (e.g. a restarted process handed an epoch from before its restart) cannot hang
-  in gloo's rendezvous: a rank claims ``(epoch, rank)`` on the store before building and fails at
-  once when that rank of that epoch was already built.
-* Bucket buffers are reused when this side's bucket size is unchanged, else reallocated (the group
-  stays: it holds no buffer; the bucket size is per rank and may be overwritten by the caller after
-  :meth:`build_topology`, so it never takes part in the group decision).
+* A stale topology (a restarted process handed an old epoch) cannot hang gloo's rendezvous: a rank
+  claims ``(epoch, rank)`` on the store first and fails at once when it was already built.
+* Bucket buffers are reused while this side's bucket size is unchanged (the caller may overwrite it
+  after :meth:`build_topology`, so it never takes part in the group decision).
 * A failed sync (any error in ``send``/``receive``/``init_process_group``), a sync left unfinished
   (works still posted, no end seen) or :meth:`~GlooTransport.release` closes the group and drops the
   store and the buffers; the next :meth:`prepare` of trainer rank 0 opens a new store and everybody
@@ -43,16 +41,14 @@ the sync only; the next sync reuses them while the peers are the same:
 **Failures** (:mod:`~verl_fastsync.transports.gloo_abort`): a failing rank publishes its cause on the
 group's abort channel (the first cause wins) and shuts down the group's connections; every wait goes
 in slices of 0.1 s and reads the channel between them. So one rank's failure ends the sync on every
-rank at once with the first cause, a failed side frees its threads, sockets and buffers at once, and
+rank at once with the first cause (a rank that sees a connection close first looks for its peer's
+cause, up to a second), a failed side frees its threads, sockets and buffers at once, and
 ``timeout_s`` is only for a peer gone silent.
-* Cost between syncs: two buckets per side (a receiver that lends, the default, keeps one spare
-  bucket more, see :mod:`verl_fastsync.io.lending`), the group's sockets and threads (idle), the
-  store.
+* Cost between syncs: two buckets per side (plus a lending receiver's spare), the group's idle
+  sockets and threads, the store.
 
-Receivers lend: a tensor carried whole in one chunk is handed to the consumer as a view into the
-receive buffer, and a buffer the consumer still references when its slot is needed again stays with
-the consumer while the slot takes a spare, so no received byte is copied and none is overwritten
-under a consumer that holds it.
+Receivers lend (:mod:`verl_fastsync.io.lending`): a tensor carried whole in one chunk is a view into
+the receive buffer; a buffer the consumer still references stays with it while the slot takes a spare.
 """
 
 from __future__ import annotations
@@ -93,6 +89,7 @@ _MIN_WAIT_S = 0.01  # a zero timedelta means "no timeout" to Work.wait: never pa
 # a blocked wait reads the abort channel this often (one store round trip per waiting rank); a wait
 # that ends sooner costs nothing (Work.wait returns the moment the broadcast completes)
 _POLL_S = 0.1
+_CAUSE_GRACE_S = 1.0  # how long a rank that saw a connection close looks for its peer's cause
 _PREFIX = "fastsync-gloo"
 
 
@@ -316,12 +313,17 @@ class GlooTransport(BufferedTransport):
     def _wrap(self, exc: BaseException, peer: str, channel: AbortChannel | None = None) -> TransportError:
         """The error for a failed gloo call: the group's first cause when a rank published one (a
         failing rank publishes before it closes the sockets whose closing failed this call)."""
-        aborted = self._published(channel or self._channel)
-        if aborted is not None:
-            return aborted
         text = str(exc)
         first = text.splitlines()[0] if text else ""
-        if "imed out" in text or "timeout" in text.lower():
+        timed_out = "imed out" in text or "timeout" in text.lower()
+        # a closed connection is a symptom: the rank that closed it publishes its cause just before
+        # (or, with several lanes closing at once, just after); a killed process never does
+        deadline = time.monotonic() + (0.0 if timed_out else _CAUSE_GRACE_S)
+        while (aborted := self._published(channel or self._channel)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if aborted is not None:
+            return aborted
+        if timed_out:
             return self._timeout_error(peer, first)
         rank = self._sockets.rank_of(first)
         if rank is not None:
