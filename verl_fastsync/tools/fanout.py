@@ -300,8 +300,9 @@ def _row(
     return row
 
 
-def run_fanout(opts: FanoutOptions) -> list[dict[str, Any]]:
-    """Every row (see the module docstring): per host kind, one switch and its hosts."""
+def run_fanout(opts: FanoutOptions, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Every row (see the module docstring): per host kind, one switch and its hosts; ``progress``
+    gets a line per finished row."""
     opts.check()
     plan: list[tuple[str, Shape, int, str]] = []
     for kind in opts.kinds:
@@ -333,6 +334,9 @@ def run_fanout(opts: FanoutOptions) -> list[dict[str, Any]]:
                     else functools.partial(_sync_row, fleet, shape, senders, tr)
                 )
                 rows.append(_row(fleet, k, shape, senders, what, measure))
+                if progress is not None:
+                    r = rows[-1]
+                    progress(f"{r['row']}: {r['status']}, {r['seconds']} s, links {r['trainer_link_models']}")
             fleet.drop()
     _fill_vs_1x1(rows)
     return rows
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     t0 = time.monotonic()
-    rows = [normalize_external(r, "fanout") for r in run_fanout(opts)]
+    rows = [normalize_external(r, "fanout") for r in run_fanout(opts, lambda m: print(m, file=sys.stderr))]
     fill_ratios(rows)
     print(json.dumps(rows, indent=1) if args.json else fanout_table(rows))
     print(
