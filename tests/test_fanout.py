@@ -156,7 +156,7 @@ def test_without_namespaces_every_row_says_why(monkeypatch: pytest.MonkeyPatch) 
 def test_the_bench_runs_the_fanout_section(tmp_path: Path) -> None:
     """``verl-fastsync bench --sections fanout`` for real (quick: 1x1, 1x4, 2x2 on one link per host,
     16 MiB, 2 Gbit/s): every row ok (every rollout rank's bytes checked each sync), at least one model
-    on every link that must carry one, verl's chain one model per host link (its rank-to-rank hop
+    on every link that must carry one, verl's chain the same bytes on every host link (its rank-to-rank hop
     inside a host does not cross the link), nothing left behind."""
     before = list_netns()
     out = tmp_path / "bench.json"
@@ -189,8 +189,11 @@ def test_the_bench_runs_the_fanout_section(tmp_path: Path) -> None:
     assert raw["rollout_link_models"] == [pytest.approx(1.0, abs=0.05)]
     for shape in ("1x1", "1x4", "2x2"):
         verl = rows[f"link per host {shape}, 1 sender: verl NIXL engine"]
-        assert verl["trainer_link_models"] == pytest.approx(1.0, abs=0.1), verl
-        assert verl["rollout_link_models"] == [pytest.approx(1.0, abs=0.1)] * verl["hosts"], verl
+        # its chain: what left the trainer crosses every host's link once, host 0 passes it on to host 1
+        # (verl READs whole bucket buffers, so a part-filled last bucket crosses whole: >= 1 model)
+        sent = verl["trainer_link_models"]
+        assert sent >= 0.98 and verl["rollout_link_models"] == [pytest.approx(sent, abs=0.03)] * verl["hosts"]
+        assert verl["rollout_out_models"][:-1] == [pytest.approx(sent, abs=0.03)] * (verl["hosts"] - 1), verl
         for tr in ("gloo", "nixl"):
             row = rows[f"link per host {shape}, 1 sender: fastsync {tr}"]
             ranks = row["hosts"] * row["ranks_per_host"]
