@@ -5,7 +5,9 @@ ends), so a multi-sender sync is limited by K separate links as on K hosts.
 Addressing: each link is its own random /30 of the RFC 2544 benchmarking range (as
 :class:`~verl_fastsync.tools.netns.NamespacePair`); a leaf's default route points at the hub's end of
 its own link, so whatever address of the hub a leaf talks to, its traffic crosses its own link only.
-The hub's hostname resolves to its address on link 0; each leaf's to its own address. Workers run
+The hub's hostname resolves to its address on link 0; each leaf's to its own address. With
+``switch=True`` the hub forwards between its links (a switch: the leaves are the hosts, e.g. a trainer
+host and rollout hosts, and leaf-to-leaf traffic crosses both leaves' links). Workers run
 with :class:`~verl_fastsync.tools.netns_worker.NetnsWorker` as in the pair. Everything is deleted on
 exit (and swept by the next star if the creator was killed).
 """
@@ -41,12 +43,14 @@ class NamespaceStar:
     """A hub namespace (the rollout host) and ``leaves`` leaf namespaces (trainer hosts), one veth
     link each (see the module docstring). Use as a context manager."""
 
-    def __init__(self, leaves: int, rate_gbit: float | None = None, prefix: str = STAR_PREFIX) -> None:
+    def __init__(
+        self, leaves: int, rate_gbit: float | None = None, prefix: str = STAR_PREFIX, switch: bool = False
+    ) -> None:
         if isinstance(leaves, bool) or not isinstance(leaves, int) or not 1 <= leaves <= 16:
             raise ValueError(f"leaves must be an int in [1, 16], got {leaves!r}")
         if rate_gbit is not None and not 0 < rate_gbit <= 400:
             raise ValueError(f"rate_gbit must be in (0, 400] Gbit/s or None, got {rate_gbit!r}")
-        self.prefix, self.rate_gbit = prefix, rate_gbit
+        self.prefix, self.rate_gbit, self.switch = prefix, rate_gbit, switch
         token = self.token = secrets.token_hex(3)
         pid = os.getpid()
         nets: list[ipaddress.IPv4Network] = []
@@ -90,6 +94,8 @@ class NamespaceStar:
                 _run(["ip", "-n", self.hub_netns, "link", "set", hub_dev, "up"])
                 _run(["ip", "-n", leaf.netns, "link", "set", leaf.dev, "up"])
                 _run(["ip", "-n", leaf.netns, "route", "add", "default", "via", hub_addr])
+            if self.switch:
+                _run(["ip", "netns", "exec", self.hub_netns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
             if self.rate_gbit is not None:
                 self.shape(self.rate_gbit)
         except BaseException:
@@ -107,10 +113,16 @@ class NamespaceStar:
 
     def rx_bytes(self) -> list[int]:
         """Bytes each link has delivered into the hub so far (its hub-side veth's receive counter)."""
+        return [rx for rx, _ in self.link_bytes()]
+
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """Per link, the bytes so far (from its leaf into the hub, from the hub into its leaf): the
+        hub-side veth's receive and transmit counters."""
         counts = []
         for dev in self.hub_devs:
             out = _run(["ip", "-n", self.hub_netns, "-s", "-j", "link", "show", "dev", dev])
-            counts.append(int(json.loads(out)[0]["stats64"]["rx"]["bytes"]))
+            stats = json.loads(out)[0]["stats64"]
+            counts.append((int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])))
         return counts
 
     def spawn(self, end: Endpoint, env: dict[str, str] | None = None) -> NetnsWorker:

@@ -4,13 +4,13 @@ Sections (each between real processes; every time a median of --repeats with min
 cleanup (the cleanup policies at both boundaries, in a process holding a trainer-like heap),
 transfer (every transport moving a synthetic model, next to verl's path and the raw mechanism for
 the same bytes), idle (CPU seconds per idle minute of each transport), scale (seconds against model
-bytes and tensor count), e2e, crosshost and delta (from verl_fastsync.tools.e2e / .crosshost /
-.delta_bench when present).
+bytes and tensor count), e2e, crosshost, delta and fanout (from verl_fastsync.tools.e2e / .crosshost /
+.delta_bench / .fanout when present).
 
 Package layout: options (presets, validation), measure (RSS, CPU time, memcpy, the CPU device
 stand-in), protocol (child processes, JSON lines), cleanup, worker (transfer worker, fastsync
 paths), baselines (verl's paths and raw mechanisms, labelled), transfer (trials, the transfer /
-idle / scale sections), external (e2e, crosshost, delta), schema (rows, JSON schema), report (tables),
+idle / scale sections), external (e2e, crosshost, delta, fanout), schema (rows, JSON schema), report (tables),
 plot, run (one run). The JSON schema is docs/bench-schema.md.
 """
 

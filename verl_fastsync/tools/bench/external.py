@@ -3,7 +3,9 @@
 ``e2e``: ``verl_fastsync.tools.e2e.bench_section(quick)`` (real vLLM, end to end);
 ``crosshost``: ``verl_fastsync.tools.crosshost.bench_section(quick)`` (two network namespaces);
 ``delta``: ``verl_fastsync.tools.delta_bench.bench_section(quick)`` (delta vs full syncs of real
-optimizer steps across two network namespaces).
+optimizer steps across two network namespaces); ``fanout``:
+``verl_fastsync.tools.fanout.bench_section(quick)`` (one trainer host, several rollout hosts and ranks,
+each on its own link to a switch).
 Each returns a list of row dicts (``row``, ``kind``, ``transport``, ``seconds``, ``bytes``,
 ``status``, ``baseline``, ``note``; see ``docs/bench-schema.md``). A section is skipped, with the
 reason, when its module is missing, raises, or every row it returns is ``not available``.
@@ -23,6 +25,7 @@ MODULES = {
     "e2e": "verl_fastsync.tools.e2e",
     "crosshost": "verl_fastsync.tools.crosshost",
     "delta": "verl_fastsync.tools.delta_bench",
+    "fanout": "verl_fastsync.tools.fanout",
 }
 """The module behind each of the :data:`~verl_fastsync.tools.bench.options.EXTERNAL` sections."""
 

@@ -15,11 +15,11 @@ BOUNDARIES = ("pre_resume_cleanup", "post_transfer_cleanup")
 CPU_TRANSPORTS = ("shm", "gloo", "nixl")
 GPU_TRANSPORTS = ("nccl", "ipc")
 TRANSPORTS = CPU_TRANSPORTS + GPU_TRANSPORTS
-SECTIONS = ("cleanup", "transfer", "idle", "scale", "e2e", "crosshost", "delta")
-"""Every section, in the order they run. ``e2e``, ``crosshost`` and ``delta`` come from other modules
-(``verl_fastsync.tools.e2e``, ``.crosshost``, ``.delta_bench``) and are skipped, with the reason,
-where those are missing or cannot run on the host."""
-EXTERNAL = ("e2e", "crosshost", "delta")
+SECTIONS = ("cleanup", "transfer", "idle", "scale", "e2e", "crosshost", "delta", "fanout")
+"""Every section, in the order they run. ``e2e``, ``crosshost``, ``delta`` and ``fanout`` come from
+other modules (``verl_fastsync.tools.e2e``, ``.crosshost``, ``.delta_bench``, ``.fanout``) and are
+skipped, with the reason, where those are missing or cannot run on the host."""
+EXTERNAL = ("e2e", "crosshost", "delta", "fanout")
 """The sections measured by other modules (:mod:`verl_fastsync.tools.bench.external`)."""
 KINDS = ("fastsync", "verl", "raw", "verl-reconstruction", "verl-stand-in")
 """What a row measures: fastsync's code; verl's own code; the raw mechanism (memcpy, a plain gloo

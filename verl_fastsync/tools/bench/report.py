@@ -290,6 +290,8 @@ def _scale(result: dict[str, Any], notes: Notes) -> list[str]:
 _TITLES = {
     "e2e": "E2E (real vLLM)",
     "crosshost": "CROSSHOST (two network namespaces)",
+    "fanout": "FANOUT (one trainer host, H rollout hosts x R ranks, each host or rank on its own tc-shaped "
+    "link to a switch; models per sync on each link from the veth counters)",
     "delta": "DELTA (one sync per step, delta=true vs delta=false of the same weights; real AdamW steps; "
     "two network namespaces)",
 }
@@ -301,6 +303,8 @@ def _external(result: dict[str, Any], section: str, notes: Notes) -> list[str]:
         return ["", *_wrap(f"{title}: skipped: {result['skipped'][section]}", "    ")]
     if section == "delta":
         return _delta(result, title)
+    if section == "fanout":
+        return ["", *_wrap(title), fanout_table(result["fanout"], notes)]
     body = [
         [r["row"], r["kind"], r["transport"], fmt_bytes(r["bytes"]), fmt_s(r["median_s"]),
          fmt_range(r["min_s"], r["max_s"]), str(len(r["seconds"])),
@@ -331,6 +335,30 @@ def _delta(result: dict[str, Any], title: str) -> list[str]:
                "encode s", "rebuild s"]  # fmt: skip
     right = [False, True, True, True, True, True, True, True, True, True, True, True]
     return ["", *_wrap(title), table(headers, body, right)]
+
+
+def fanout_table(rows: list[dict[str, Any]], notes: Notes | None = None) -> str:
+    """The fanout section: per row its shape, seconds, models per sync on the trainer host's link and
+    on the busiest rollout host's, ``busy`` (the busiest link's share of its rate: ~1 = link-bound),
+    its time as a multiple of the 1x1 row's, and verl's NIXL engine's seconds / its own (> 1: faster
+    than verl's engine in the same shape). Without ``notes`` the statuses follow the table."""
+    own = notes is None
+    notes = notes or Notes()
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    body = [
+        [r["host_kind"], f"{r['hosts']}x{r['ranks_per_host']}", str(r["senders"]), r["row"].split(": ", 1)[1],
+         fmt_s(r["median_s"]), num(r["trainer_link_models"], ".2f"),
+         num(max(r["rollout_link_models"], default=None), ".2f"), num(r["busy"], ".2f"),
+         num(r["vs_1x1"], ".2f"), num(r["ratio"], ".2f"), notes.status(r["status"])]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["host kind", "shape", "snd", "what", "s/sync", "trainer link", "max host link", "busy",
+               "x 1x1", "verl/s", "status"]  # fmt: skip
+    right = [False, True, True, False, True, True, True, True, True, True, False]
+    return "\n".join([table(headers, body, right), *(notes.render() if own else [])])
 
 
 def _legend(result: dict[str, Any]) -> list[str]:

@@ -29,7 +29,7 @@ ROW_FIELDS: dict[str, tuple[type, ...]] = {
 """Keys of every row of every section (the keys the ``e2e``, ``crosshost`` and ``delta`` modules return
 are the first eight; the bench adds the last four)."""
 
-LATER_SECTIONS = ("delta",)
+LATER_SECTIONS = ("delta", "fanout")
 """Sections added within schema version 2: a document of an earlier bench may lack them."""
 
 SECTION_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
@@ -46,6 +46,19 @@ SECTION_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "scale": {"axis": (str,), "tensor_count": (int,), "bucket_bytes": (int, type(None))},
     "e2e": {},
     "crosshost": {},
+    "fanout": {
+        "host_kind": (str,),
+        "hosts": (int,),
+        "ranks_per_host": (int,),
+        "senders": (int,),
+        "link_gbit": (float, int),
+        "trainer_link_models": (float, int, type(None)),
+        "rollout_link_models": (list,),
+        "rollout_out_models": (list,),
+        "max_link_models": (float, int, type(None)),
+        "busy": (float, int, type(None)),
+        "vs_1x1": (float, int, type(None)),
+    },
     "delta": {
         "link_gbit": (float, int),
         "one_host": (bool,),
