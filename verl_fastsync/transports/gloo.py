@@ -30,7 +30,8 @@ the sync only; the next sync reuses them while the peers are the same:
   (``init_process_group`` without a complete ``send``/``receive``): a peer's broadcasts may still be
   unread in its sockets, and reusing the group would hand them to the next sync.
 * A stale topology (a restarted process handed an old epoch) cannot hang gloo's rendezvous: a rank
-  claims ``(epoch, rank)`` on the store first and fails at once when it was already built.
+  claims ``(epoch, rank)`` on the store first and fails at once when it was already built. Then every
+  rank waits on the store until all are in, or one that cannot join published why (it fails at once).
 * Bucket buffers are reused while this side's bucket size is unchanged (the caller may overwrite it
   after :meth:`build_topology`, so it never takes part in the group decision).
 * A failed sync (any error in ``send``/``receive``/``init_process_group``), a sync left unfinished
@@ -65,7 +66,15 @@ import torch.distributed as dist
 
 from verl_fastsync.transports.base import TransportError, allocate_bucket_buffers, default_host
 from verl_fastsync.transports.buffered import BufferedTransport
-from verl_fastsync.transports.gloo_abort import AbortChannel, GroupSockets, connected_sockets, let_go_later
+from verl_fastsync.transports.gloo_abort import (
+    AbortChannel,
+    GroupSockets,
+    connected_sockets,
+    join_barrier,
+    let_go_later,
+    publish_join_abort,
+)
+from verl_fastsync.transports.gloo_topology import topology_extra
 from verl_fastsync.wire import (
     WIRE_SCHEMA_VERSION,
     Abort,
@@ -169,32 +178,7 @@ class GlooTransport(BufferedTransport):
     def _topology_extra(
         cls, actor_metadata: list[dict[str, Any]], rollout_metadata: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        master = actor_metadata[0]
-        if "port" not in master:
-            raise TransportError("gloo transport: trainer rank 0 reported no store (is_master=True?)")
-        local = all(m.get("host") == master.get("host") for m in rollout_metadata)
-        return {
-            "master_addr": "127.0.0.1" if local else master["addr"],
-            "master_port": master["port"],
-            "data_host": "127.0.0.1" if local else "",
-            "gloo_group": cls._choose_group(master, rollout_metadata),
-        }
-
-    @staticmethod
-    def _choose_group(master: dict[str, Any], rollout_metadata: list[dict[str, Any]]) -> str:
-        """The sender's epoch when every participant holds that group with the rank and world size it
-        gets now (everyone reuses), else a fresh epoch (everyone rebuilds)."""
-        world = 1 + len(rollout_metadata)
-        held = master.get("gloo_group")
-        fresh = str(master.get("gloo_next") or uuid.uuid4().hex)
-        if not isinstance(held, list | tuple) or len(held) != 3 or list(held[1:]) != [0, world]:
-            return fresh
-        epoch = held[0]
-        for rank, meta in enumerate(rollout_metadata, start=1):
-            state = meta.get("gloo_group")
-            if not isinstance(state, list | tuple) or list(state) != [epoch, rank, world]:
-                return fresh
-        return str(epoch)
+        return topology_extra(actor_metadata, rollout_metadata)
 
     def _connect(self, **kwargs: Any) -> None:
         addr, port = str(kwargs["master_addr"]), int(kwargs["master_port"])
@@ -237,6 +221,15 @@ class GlooTransport(BufferedTransport):
                     f"{rank}: this process restarted or was handed a stale topology); call "
                     "prepare() on every rank and build_topology again"
                 )
+            # a rank that cannot join publishes why instead of coming (see gloo_abort.join_barrier)
+            channel = AbortChannel(self._store, f"{_PREFIX}-abort/{epoch}")
+            cause, joined = join_barrier(
+                channel, f"{_PREFIX}-joined/{epoch}", self.world_size, self._deadline()
+            )
+            if cause is not None:
+                raise self._abort_error(self.label(cause.rank), cause.reason)
+            if joined < self.world_size:
+                raise self._timeout_error(f"every rank to join ({joined} of {self.world_size} did)")
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = self._td()
             # two connections per peer and the payload broadcast in parts: gloo then moves the parts
@@ -262,12 +255,18 @@ class GlooTransport(BufferedTransport):
                 opened,
                 self.options.timeout_s,
             )
+        except TransportError:
+            raise
         except RuntimeError as exc:
             raise self._wrap(exc, "the process group (all ranks)") from exc
-        self._channel = AbortChannel(self._store, f"{_PREFIX}-abort/{epoch}")
+        self._channel = channel
         self._stop = threading.Event()
         self._key = key
         self.groups_built += 1
+
+    def _abort_join(self, reason: str, kwargs: dict[str, Any]) -> None:
+        """Publish ``reason`` on the abort channel of the group the others wait to join (the barrier)."""
+        publish_join_abort(kwargs, f"{_PREFIX}-abort/{kwargs['gloo_group']}", reason)
 
     def _drop_group(self) -> None:
         """Close the group (the store stays).
@@ -303,7 +302,8 @@ class GlooTransport(BufferedTransport):
         self._slot_works = [[], []]  # before the group: a work may be what keeps it alive
         self._keep = [[], []]
         self._drop_group()
-        self._store = None
+        store, self._store, server = self._store, None, bool(self._store_addr)
+        let_go_later(store, _CAUSE_GRACE_S if server else 0.0)  # the peers read a cause there a moment longer
         self._store_addr = ""
         self._bufs = []
         self._drop_lending_pool()

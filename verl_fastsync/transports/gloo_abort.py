@@ -17,6 +17,10 @@ pieces here make up for it:
   are free within moments, the group's destructor no longer waits for a receive's timeout) and on
   every peer connected to it (its broadcast fails with "Connection closed by peer": the kernel does
   the same for a process that dies).
+
+A rank that cannot join a group at all never reaches gloo's rendezvous, where the others would wait
+out ``timeout_s``: every rank first passes :func:`join_barrier` (reading the channel between short
+slices), and the failing rank publishes its cause there with :func:`publish_join_abort`.
 """
 
 from __future__ import annotations
@@ -27,15 +31,26 @@ import os
 import re
 import socket
 import threading
+import time
 from typing import Any
+
+import torch.distributed as dist
 
 from verl_fastsync.wire import Abort, decode, encode
 
-__all__ = ["AbortChannel", "GroupSockets", "connected_sockets", "let_go_later"]
+__all__ = [
+    "AbortChannel",
+    "GroupSockets",
+    "connected_sockets",
+    "join_barrier",
+    "let_go_later",
+    "publish_join_abort",
+]
 
 Endpoint = tuple[str, int]
 Link = tuple[Endpoint, Endpoint]  # (this side's address, the peer's address)
 
+_JOIN_POLL_S = 0.05  # a rank waiting for the others to join reads the abort channel this often
 _PEER = re.compile(r"\[([^\]]+)\]:(\d+)")
 
 
@@ -56,6 +71,31 @@ class AbortChannel:
         if not self.store.check([self.key]):
             return None
         return _as_abort(self.store.get(self.key))
+
+
+def join_barrier(
+    channel: AbortChannel, key: str, world_size: int, deadline: float
+) -> tuple[Abort | None, int]:
+    """Count this rank in on ``key`` (on the channel's store) and wait until all ``world_size`` ranks
+    are in, or a rank published on ``channel`` that it cannot join, or ``deadline``
+    (:func:`time.monotonic`) passed. Returns (the published cause or ``None``, how many were in)."""
+    joined = int(channel.store.add(key, 1))
+    while joined < world_size:
+        message = channel.read()
+        if message is not None or time.monotonic() >= deadline:
+            return message, joined
+        time.sleep(_JOIN_POLL_S)
+        joined = int(channel.store.add(key, 0))
+    return None, joined
+
+
+def publish_join_abort(topology: dict[str, Any], key: str, reason: str) -> None:
+    """Publish ``Abort(reason, topology["rank"])`` on the abort channel ``key`` of the group's store
+    (``topology``: a rank's ``init_process_group`` arguments) from a rank that holds no connection to
+    it (one that could not join the group); the first cause still wins."""
+    addr, port = str(topology["master_addr"]), int(topology["master_port"])
+    store = dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=2))
+    AbortChannel(store, key).publish(Abort(reason=reason, rank=int(topology["rank"])))
 
 
 def _as_abort(raw: bytes) -> Abort | None:
@@ -155,11 +195,17 @@ class GroupSockets:
         return done
 
 
-def _let_go(group: Any) -> None:
+def _let_go(group: Any, after_s: float) -> None:
+    time.sleep(after_s)
     del group  # the last reference: the group's destructor (it joins gloo's threads) runs here
 
 
-def let_go_later(group: Any) -> None:
-    """Drop the caller's last reference to ``group`` on a short-lived daemon thread (``Thread.run``
-    deletes its arguments there), never on the caller's (the event loop's) thread."""
-    threading.Thread(target=_let_go, args=(group,), name="fastsync-gloo-release", daemon=True).start()
+def let_go_later(group: Any, after_s: float = 0.0) -> None:
+    """Drop the caller's last reference to ``group`` (a process group or a store) ``after_s`` from now
+    on a short-lived daemon thread (``Thread.run`` deletes its arguments there), never on the caller's
+    (the event loop's) thread."""
+    if group is not None:
+        thread = threading.Thread(
+            target=_let_go, args=(group, after_s), name="fastsync-gloo-release", daemon=True
+        )
+        thread.start()

@@ -51,6 +51,7 @@ from verl_fastsync.transports.base import (
     ConsumerError,
     EngineTransport,
     EngineTransportFactory,
+    PeerAbortedError,
     TransferStats,
     TransportError,
     TransportOptions,
@@ -244,7 +245,8 @@ class LanesTransport(EngineTransport):
         """Join every lane at once (one thread each: a lane's handshake waits for every receiver's
         hello, and a lane that cannot be joined must not keep this rank from saying hello on the
         others). If one fails, every lane is aborted with the first cause, naming this rollout rank
-        and the lane."""
+        and the lane: the joined ones through their transport, the others through their group's
+        handshake (``abort_join``)."""
         me = self._me(labels)
 
         def join(lane: int) -> BaseException | None:
@@ -263,6 +265,10 @@ class LanesTransport(EngineTransport):
         exc = errors[lane]
         assert exc is not None
         reason = f"{me} could not join {self._label(lane)}: {failure_reason(exc)}"
+        for other, error in enumerate(errors):  # the lanes it never joined hear it from their handshake
+            abort_join = getattr(self.lanes[other], "abort_join", None)
+            if error is not None and not isinstance(error, PeerAbortedError) and callable(abort_join):
+                abort_join(reason, **lane_kwargs[other])
         self.abort_receive(reason)
         raise TransportError(reason) from exc
 

@@ -21,6 +21,7 @@ from verl_fastsync.transports.base import (
     TransportOptions,
     TransportTimeoutError,
     base_topology,
+    failure_reason,
     rank_labels,
 )
 
@@ -102,6 +103,7 @@ class TransportCore(EngineTransport):
         return {}
 
     def init_process_group(self, **kwargs: Any) -> None:
+        topology = dict(kwargs)
         self._end_open_stream()
         self.sync_generation += 1
         rank = kwargs.pop("rank")
@@ -125,10 +127,26 @@ class TransportCore(EngineTransport):
             self._safe_end_sync()
         try:
             self._connect(**kwargs)
-        except BaseException:
+        except BaseException as exc:
+            if not isinstance(exc, PeerAbortedError):  # a peer's cause is already out
+                self.abort_join(f"{self.me} could not join the group: {failure_reason(exc)}", **topology)
             self._safe_close()
             raise
         self.inflight = InFlight()
+
+    def abort_join(self, reason: str, **kwargs: Any) -> None:
+        """Tell the group described by the topology ``kwargs`` (one rank's ``init_process_group``
+        arguments) that this rank (``kwargs["rank"]``) cannot join it, without joining: the ranks
+        waiting in its handshake fail at once with ``reason`` instead of waiting out ``timeout_s``.
+        Best effort, never raises (a group this rank cannot reach may not hear it)."""
+        try:
+            self._abort_join(reason, kwargs)
+        except Exception:  # pragma: no cover - best effort: the peers' own timeout is the fallback
+            pass
+
+    def _abort_join(self, reason: str, kwargs: dict[str, Any]) -> None:
+        """Deliver ``Abort(reason, rank=kwargs["rank"])`` to the group's handshake (hook; default:
+        nothing, the peers wait out ``timeout_s``)."""
 
     def finalize(self) -> None:
         """End of one sync (verl calls it after every sync): close what is per sync. Resources a
