@@ -6,6 +6,16 @@ port>``; each peer :meth:`ControlChannel.connect`\\ s a DEALER (optionally with 
 Messages are bytes produced by a codec (see :mod:`verl_fastsync.wire`): this module never pickles
 and knows no message type. Every receive has a deadline; nothing here blocks without one.
 
+:meth:`ControlChannel.watch_peers` makes a closed connection an error, for the length of a sync: a
+process that dies (killed, crashed) or whose host drops off the network has its TCP or ``ipc://``
+connection closed by its kernel, which zmq reports as ``ZMQ_EVENT_DISCONNECTED`` on a socket monitor.
+The monitor is polled with the channel's own socket (no thread, nothing on a clean sync but one more
+poll item); the owner maps the event's file descriptor to a peer by the descriptor its messages
+came in on (``ZMQ_SRCFD``), so only a peer that already sent something (its hello) is watched. Why
+not zmq heartbeats: they detect the same thing only after their timeout and need it tuned per
+network, while a closed connection is known at once; a peer that went silent without closing
+anything is what ``timeout_s`` is for.
+
 A channel is used by one thread at a time (zmq sockets are not thread-safe); :meth:`close` is
 idempotent and must run on the thread that uses the socket, or after that thread is done.
 """
@@ -20,8 +30,9 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["ChannelClosedError", "ChannelInterruptedError", "ControlChannel"]
+__all__ = ["ChannelClosedError", "ChannelInterruptedError", "ControlChannel", "PeerDisconnectedError"]
 
 
 class ChannelClosedError(RuntimeError):
@@ -32,7 +43,20 @@ class ChannelInterruptedError(RuntimeError):
     """:meth:`ControlChannel.interrupt` stopped a waiting :meth:`ControlChannel.recv`."""
 
 
+class PeerDisconnectedError(RuntimeError):
+    """A watched connection closed (:meth:`ControlChannel.watch_peers`): ``peers`` are the routing
+    ids of the peers lost (owner), or ``[None]`` (peer: the owner is lost)."""
+
+    def __init__(self, peers: list[bytes | None]) -> None:
+        super().__init__("control connection closed")
+        self.peers = peers
+
+
 _POLL_SLICE_MS = 100
+
+DISCONNECT_GRACE_S = 0.2
+"""How long after a watched connection closed its last messages may still be read (zmq may report
+the close before the messages sent just before it, e.g. a peer's ``Abort``, are readable)."""
 
 
 class ControlChannel:
@@ -49,6 +73,11 @@ class ControlChannel:
         self.is_owner = False
         self._linger = linger_ms
         self._interrupted = threading.Event()
+        self._monitor: zmq.Socket[Any] | None = None
+        self._poller: zmq.Poller | None = None
+        self._peer_fds: dict[int, bytes] = {}  # owner: connection fd -> routing id of its peer
+        self._lost: list[bytes | None] = []
+        self._lost_at = 0.0
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -106,6 +135,17 @@ class ControlChannel:
         sock.connect(endpoint)
         self.endpoint = endpoint
 
+    def watch_peers(self) -> None:
+        """From now on :meth:`recv` and :meth:`recv_nowait` raise :class:`PeerDisconnectedError` once
+        a peer's connection closed (owner: a peer that sent a message; peer: the owner) and every
+        message that came before the close was read."""
+        sock = self.sock
+        if self._monitor is None:
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._poller = zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
+
     def remove_socket_file(self) -> None:
         """Owner: delete the ``ipc://`` socket file and its directory once every peer is connected
         (established connections stay; a killed owner then leaves no file behind)."""
@@ -159,17 +199,52 @@ class ControlChannel:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            if sock.poll(max(1, min(_POLL_SLICE_MS, int(remaining * 1000)))):
-                frames = sock.recv_multipart()
-                return (frames[0] if self.is_owner else None), frames[-1]
+            timeout = max(1, min(_POLL_SLICE_MS, int(remaining * 1000)))
+            if self._poller is None:
+                if sock.poll(timeout):
+                    return self._read()
+                continue
+            ready = dict(self._poller.poll(timeout))
+            if sock in ready:
+                return self._read()
+            self._check_lost(monitor_ready=self._monitor in ready)
 
     def recv_nowait(self) -> tuple[bytes | None, bytes] | None:
         """A message already queued, or ``None``."""
-        sock = self.sock
-        if not sock.poll(0):
-            return None
-        frames = sock.recv_multipart()
-        return (frames[0] if self.is_owner else None), frames[-1]
+        if self.sock.poll(0):
+            return self._read()
+        if self._monitor is not None:
+            self._check_lost(monitor_ready=bool(self._monitor.poll(0)))
+        return None
+
+    def _read(self) -> tuple[bytes | None, bytes]:
+        if self._monitor is None or not self.is_owner:
+            frames = self.sock.recv_multipart()
+            return (frames[0] if self.is_owner else None), frames[-1]
+        parts = self.sock.recv_multipart(copy=False)
+        ident = parts[0].bytes
+        self._peer_fds[parts[-1].get(zmq.SRCFD)] = ident
+        return ident, parts[-1].bytes
+
+    def _check_lost(self, monitor_ready: bool) -> None:
+        """Record the connections the monitor reports closed; raise once the grace for their last
+        messages has passed."""
+        monitor = self._monitor
+        while monitor_ready and monitor is not None and monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            if self.is_owner:
+                ident = self._peer_fds.pop(int(event["value"]), None)
+                if ident is None:
+                    continue  # a peer that never said anything: not ours to watch
+            else:
+                ident = None
+            if not self._lost:
+                self._lost_at = time.monotonic()
+            self._lost.append(ident)
+        if self._lost and time.monotonic() - self._lost_at >= DISCONNECT_GRACE_S:
+            raise PeerDisconnectedError(list(self._lost))
 
     # -- teardown ----------------------------------------------------------------------------
 
@@ -177,6 +252,10 @@ class ControlChannel:
         """Close the socket and context and remove the socket file (idempotent). ``linger_ms``:
         let queued messages out for at most that long (e.g. an abort's reason), instead of the
         channel's own linger."""
+        monitor, self._monitor, self._poller = self._monitor, None, None
+        if monitor is not None and self._sock is not None:
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(linger=self._linger if linger_ms is None else linger_ms)

@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="preset",
         action="store_const",
         const="full",
-        help="the full preset: every README figure, including the 2 GiB MoE-shaped model with 256 MiB "
-        "buckets; about 10-15 minutes on a 2-core CPU host. Options given next to it override it",
+        help="the full preset: every figure of docs/benchmarks.md, including the 2 GiB MoE-shaped model "
+        "with 256 MiB buckets and the fanout shapes; about 35-40 minutes on a 2-core CPU host. Options given "
+        "next to it override it",
     )
     b.add_argument(
         "--model",

@@ -15,7 +15,7 @@ Run ``python -m verl_fastsync.tools.delta_bench [--width 1024] [--layers 8] [--g
 ``host shm``; ``--pin``: the trainer's process on CPU 0 and the rollout's on CPU 1, so that the two
 "hosts" do not share cores and one side's encode can overlap the other's rebuild as across real
 hosts), or as the ``delta`` section of ``verl-fastsync bench`` (:func:`bench_section`: ``--sections
-delta`` for the quick rows, ``--full`` for the README's).
+delta`` for the quick rows, ``--full`` for docs/benchmarks.md's).
 """
 
 from __future__ import annotations
@@ -186,10 +186,11 @@ def format_delta(result: dict[str, Any]) -> str:
 
 
 QUICK = DeltaBenchOptions(steps=2, lrs=(1e-6,), gbits=(10.0,))
-"""The bench's quick ``delta`` rows: the README's model (128 MiB of bf16), lr 1e-6, 10 Gbit/s, two steps
-and a re-initialisation (about 30 s on 2 cores; a much smaller model measures per-sync overheads)."""
+"""The bench's quick ``delta`` rows: the benchmarks page's model (128 MiB of bf16), lr 1e-6, 10 Gbit/s,
+two steps and a re-initialisation (about 30 s on 2 cores; a much smaller model measures per-sync
+overheads)."""
 FULL = DeltaBenchOptions(gbits=(10.0, 1.0, 0.0), one_host="shm")
-"""The bench's ``--full`` ``delta`` rows: the README's (128 MiB, lr 1e-6 and 1e-5, 10 / 1 Gbit/s,
+"""The bench's ``--full`` ``delta`` rows: docs/benchmarks.md's (128 MiB, lr 1e-6 and 1e-5, 10 / 1 Gbit/s,
 unshaped and one host; about 2 minutes)."""
 
 

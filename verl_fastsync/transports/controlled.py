@@ -17,7 +17,12 @@ DEALER in ``init_process_group``.
   other receiver (:class:`~verl_fastsync.transports.base.PeerAbortedError`: the origin and cause
   travel unchanged, never wrapped in the relaying side's own text). A receiver on the sender's host
   whose process ends mid-sync (killed, crashed) is noticed by the sender within
-  :data:`LIVENESS_S` (its ``Hello`` named its pid) and reported the same way. The side that aborts
+  :data:`LIVENESS_S` (its ``Hello`` named its pid) and reported the same way. A peer on any host
+  whose control connection closes mid-sync (its process died, its host left the network) is noticed
+  at once by the socket monitor of :meth:`~verl_fastsync.io.control.ControlChannel.watch_peers`:
+  the sender fails naming that rollout rank (and relays it), a receiver whose connection to the
+  sender closed fails with "lost trainer rank 0". ``timeout_s`` is left for a peer that went silent
+  with its connection open. The side that aborts
   lets its ``Abort`` out before its socket closes (:data:`ABORT_LINGER_MS`).
 
 Subclasses supply the buffers: :meth:`_sender_setup`, :meth:`_attach`, :meth:`_release_buffers`,
@@ -36,7 +41,7 @@ from typing import Any, ClassVar
 
 import zmq
 
-from verl_fastsync.io.control import ControlChannel
+from verl_fastsync.io.control import DISCONNECT_GRACE_S, ControlChannel, PeerDisconnectedError
 from verl_fastsync.transports.base import SENDER_RANK, PeerAbortedError, TransportError
 from verl_fastsync.transports.buffered import BufferedTransport
 from verl_fastsync.wire import (
@@ -148,6 +153,7 @@ class ControlledTransport(BufferedTransport):
             self._close_channel()
             self._channel = ControlChannel()
             self._endpoint = self._channel.bind(self._control_host())
+            self._channel.watch_peers()
             meta["endpoint"] = self._endpoint
         return meta
 
@@ -166,6 +172,7 @@ class ControlledTransport(BufferedTransport):
             self._close_channel()
             self._channel = ControlChannel()
             self._channel.connect(endpoint)
+            self._channel.watch_peers()
             self._endpoint = endpoint
             self._handshake_receiver()
 
@@ -215,6 +222,12 @@ class ControlledTransport(BufferedTransport):
     def _recv_progressing(
         self, channel: ControlChannel, deadline: float
     ) -> tuple[bytes | None, bytes] | None:
+        try:
+            return self._recv_watching(channel, deadline)
+        except PeerDisconnectedError as exc:
+            raise self._disconnected(exc) from None
+
+    def _recv_watching(self, channel: ControlChannel, deadline: float) -> tuple[bytes | None, bytes] | None:
         poll = self.progress_poll_s
         watch = bool(self._peer_pids)
         if poll is None and not watch:
@@ -227,6 +240,25 @@ class ControlledTransport(BufferedTransport):
             if poll is not None:
                 self._progress()
             self._check_peers_alive()
+
+    def _disconnected(self, exc: PeerDisconnectedError) -> PeerAbortedError:
+        """The error of a control connection that closed mid-sync: on the sender, the first rollout
+        rank lost (the cause it relays to the others); on a receiver, the sender."""
+        if self.rank == SENDER_RANK:
+            origin = next((self._peers.get(ident) for ident in exc.peers if ident is not None), None)
+            who = self.label(origin) if origin is not None else "a rollout rank"
+            cause = (
+                f"its connection to {self.label(SENDER_RANK)} closed mid-sync (process died or network lost)"
+            )
+            return PeerAbortedError(
+                f"{self.me}: {who} failed: {cause}; {self.inflight.describe()}", origin, cause
+            )
+        cause = "its connection closed mid-sync (process died or network lost)"
+        return PeerAbortedError(
+            f"{self.me}: lost {self.label(SENDER_RANK)}: {cause}; {self.inflight.describe()}",
+            SENDER_RANK,
+            cause,
+        )
 
     def _labels(self, ranks: Iterable[int | None]) -> str:
         """verl's names of transfer ranks ``ranks``, in rank order ("rollout rank 0, rollout rank 3")."""
@@ -364,7 +396,7 @@ class ControlledTransport(BufferedTransport):
         channel = self._channel
         if channel is None or not channel.is_open:
             return
-        while (got := channel.recv_nowait()) is not None:
+        while (got := self._recv_nowait(channel)) is not None:
             ident, data = got
             who = self.label(self._peers.get(ident) if ident is not None else SENDER_RANK)
             message = decode(data, peer=who)
@@ -374,10 +406,17 @@ class ControlledTransport(BufferedTransport):
                 self._take_ack(message)
         self._check_peers_alive()
 
-    def _raise_pending_abort(self, grace_s: float = 0.2) -> None:
+    def _recv_nowait(self, channel: ControlChannel) -> tuple[bytes | None, bytes] | None:
+        try:
+            return channel.recv_nowait()
+        except PeerDisconnectedError as exc:
+            raise self._disconnected(exc) from None
+
+    def _raise_pending_abort(self, grace_s: float = DISCONNECT_GRACE_S + 0.1) -> None:
         """A send found its peer gone: raise the :class:`PeerAbortedError` of an ``Abort`` it left,
-        read for at most ``grace_s`` (it precedes the disconnect on the same connection, but zmq
-        may report the disconnect first); return when there is none."""
+        or of its closed connection, read for at most ``grace_s`` (the ``Abort`` precedes the
+        disconnect on the same connection, but zmq may report the disconnect first; the disconnect
+        is raised :data:`DISCONNECT_GRACE_S` after it was seen); return when there is neither."""
         end = time.monotonic() + grace_s
         while True:
             self._poll_control()

@@ -43,7 +43,7 @@ Config = tuple[str, float, int]
 @dataclasses.dataclass
 class BenchOptions:
     """What ``verl-fastsync bench`` runs. The defaults are the quick preset (about a minute on a
-    2-core CPU host); :func:`full_options` is the preset behind the README's figures."""
+    2-core CPU host); :func:`full_options` is the preset behind docs/benchmarks.md's figures."""
 
     models: tuple[str, ...] = ("moe-small",)
     size_gib: float = 0.125
@@ -113,7 +113,8 @@ class BenchOptions:
 
 
 def full_options() -> BenchOptions:
-    """The ``--full`` preset: every README figure (about 10-15 minutes on a 2-core CPU host)."""
+    """The ``--full`` preset: every figure of docs/benchmarks.md (about 35-40 minutes on a 2-core CPU
+    host, 25-30 of them in the fanout section)."""
     return BenchOptions(
         models=("dense-small", "moe-small"),
         size_gib=0.25,
