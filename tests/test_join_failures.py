@@ -59,7 +59,7 @@ def _init_all(cluster: Cluster) -> list[tuple[str, Any]]:
 
 
 @pytest.mark.timeout(10 * TIMEOUT_S)
-@pytest.mark.parametrize("transport", ["gloo"])
+@pytest.mark.parametrize("transport", ["gloo", "shm", "nixl"])
 def test_a_rollout_rank_that_cannot_join_ends_every_rank_at_once_with_its_cause(transport: str) -> None:
     ctor = {"bucket_size": 4096, "timeout_s": TIMEOUT_S}
     with Cluster(transport, 1, ROLLOUTS, mode="engine", ctor=ctor, timeout=4 * TIMEOUT_S) as cluster:

@@ -42,8 +42,10 @@ from typing import Any, ClassVar
 import zmq
 
 from verl_fastsync.io.control import DISCONNECT_GRACE_S, ControlChannel, PeerDisconnectedError
-from verl_fastsync.transports.base import SENDER_RANK, PeerAbortedError, TransportError
+from verl_fastsync.transports.base import SENDER_RANK, PeerAbortedError, TransportError, TransportTimeoutError
 from verl_fastsync.transports.buffered import BufferedTransport
+from verl_fastsync.transports.control_join import answer_late_hellos, send_abort_once
+from verl_fastsync.transports.sending import abort_for
 from verl_fastsync.wire import (
     Abort,
     Attached,
@@ -164,8 +166,12 @@ class ControlledTransport(BufferedTransport):
                 raise TransportError(
                     f"{self.name} transport: init_process_group on trainer rank 0 before prepare()"
                 )
-            self._sender_setup()
-            self._handshake_sender()
+            try:
+                self._sender_setup()
+                self._handshake_sender()
+            except BaseException as exc:
+                self._abort_handshake(exc)
+                raise
         else:
             if not endpoint:
                 raise TransportError(f"{self.name} transport: init_process_group needs the sender's endpoint")
@@ -336,6 +342,26 @@ class ControlledTransport(BufferedTransport):
             if isinstance(message, Attached):
                 attached.add(message.rank)
         self._all_attached()
+
+    def _abort_handshake(self, exc: BaseException) -> None:
+        """Sender: its handshake failed with ``exc``: every receiver that said hello hears the first
+        cause, and unless it timed out so do the hellos that still come (:func:`answer_late_hellos`)."""
+        abort = abort_for(exc, self.rank, f"{type(exc).__name__}: {exc}")
+        self._post_abort(abort)
+        if self._channel is not None and not isinstance(exc, TransportTimeoutError):
+            answer_late_hellos(self._channel, abort, {*self._peers.values(), abort.rank}, self.world_size)
+
+    def _abort_join(self, reason: str, kwargs: dict[str, Any]) -> None:
+        """Receiver that cannot join: tell the sender's handshake, on this rank's channel when it is
+        connected there (the ``Abort`` then comes before its close), else on a short-lived one."""
+        rank, endpoint = int(kwargs["rank"]), kwargs.get("endpoint")
+        if rank == SENDER_RANK or not endpoint:
+            return  # the sender relays its own failure (_abort_handshake)
+        abort = Abort(reason=reason, rank=rank)
+        if self._channel is not None and self._channel.is_open and self._endpoint == endpoint:
+            self._abort_posted = self._channel.send_quietly(encode(abort)) or self._abort_posted
+        else:
+            send_abort_once(str(endpoint), abort, ABORT_LINGER_MS)
 
     def _before_welcome(self) -> None:
         """Sender: every receiver said hello (hook, e.g. to decide whether buffers can be reused)."""
