@@ -26,7 +26,7 @@ from test_fleet_failures import (  # type: ignore[import-not-found]
     _rollout,
 )
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.fleet]
 
 TRANSPORTS = ["nixl", "shm"]
 TIMEOUT_S = 120  # every rank's timeout_s: ending by it would be the defect

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.fleet]
 
 TRANSPORTS = ["shm", "nixl"]
 ROLLOUTS = 4

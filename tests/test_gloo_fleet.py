@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.fleet]
 
 TIMEOUT_S = 60  # every rank's timeout_s: the old code waited it out
 BOUND_S = 15  # "at once" on a loaded 2-core host: far below TIMEOUT_S, far above the ~0.1 s it takes

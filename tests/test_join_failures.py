@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.fleet]
 
 ROLLOUTS = 4
 FAILING = 2  # verl's rollout rank that cannot join (harness process 1 + FAILING)

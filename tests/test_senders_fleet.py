@@ -275,6 +275,7 @@ def _verl_sync(
 
 
 @pytest.mark.verl
+@pytest.mark.fleet
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("transport", "change", "field"),
@@ -315,6 +316,7 @@ def test_trainer_ranks_that_disagree_fail_before_the_disputed_tensor(
 
 
 @pytest.mark.verl
+@pytest.mark.fleet
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("transport", ["shm", "gloo", "nixl"])
 def test_a_consumer_failure_reaches_every_sender_with_its_cause(transport: str) -> None:
@@ -343,6 +345,7 @@ result = None
 
 
 @pytest.mark.verl
+@pytest.mark.fleet
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("transport", ["shm", "gloo", "nixl"])
 def test_a_rollout_rank_that_cannot_join_a_lane_does_not_keep_the_other_lanes_waiting(transport: str) -> None:
