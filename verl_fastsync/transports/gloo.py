@@ -43,7 +43,7 @@ the sync only; the next sync reuses them while the peers are the same:
 group's abort channel (the first cause wins) and shuts down the group's connections; every wait goes
 in slices of 0.1 s and reads the channel between them. So one rank's failure ends the sync on every
 rank at once with the first cause (a rank that sees a connection close first looks for its peer's
-cause, up to a second), a failed side frees its threads, sockets and buffers at once, and
+cause, up to half a second), a failed side frees its threads, sockets and buffers at once, and
 ``timeout_s`` is only for a peer gone silent.
 * Cost between syncs: two buckets per side (plus a lending receiver's spare), the group's idle
   sockets and threads, the store.
@@ -98,7 +98,7 @@ _MIN_WAIT_S = 0.01  # a zero timedelta means "no timeout" to Work.wait: never pa
 # a blocked wait reads the abort channel this often (one store round trip per waiting rank); a wait
 # that ends sooner costs nothing (Work.wait returns the moment the broadcast completes)
 _POLL_S = 0.1
-_CAUSE_GRACE_S = 1.0  # how long a rank that saw a connection close looks for its peer's cause
+_CAUSE_GRACE_S = 0.5  # how long a rank that saw a connection close looks for its peer's cause
 _PREFIX = "fastsync-gloo"
 
 
