@@ -321,12 +321,15 @@ def test_trainer_ranks_that_disagree_fail_before_the_disputed_tensor(
 @pytest.mark.parametrize("transport", ["shm", "gloo", "nixl"])
 def test_a_consumer_failure_reaches_every_sender_with_its_cause(transport: str) -> None:
     """3 senders x 4 rollout ranks: rollout rank 2's adapter raises at its 5th tensor. Every sender
-    fails with that cause (not "the consumer's task was cancelled"), promptly."""
+    whose lane was still running fails with that cause (not "the consumer's task was cancelled"),
+    promptly; a sender whose lane had already delivered all its bytes may return (documented: the
+    sync fails on every rollout rank, so verl's manager fails the step), but never all of them."""
     with _cluster(transport, 3, 4) as cluster:
         trainers, rollouts, seconds = _verl_sync(cluster, 2, {2: {"fail_at": 4}})
         assert rollouts[2]["status"] == "err" and "load_weights failed on purpose" in rollouts[2]["error"]
-        for status, error in trainers:
-            assert status == "err", error
+        failed = [error for status, error in trainers if status == "err"]
+        assert failed, f"every sender reported success for a sync a rollout rank failed: {trainers}"
+        for error in failed:
             assert "load_weights failed on purpose" in error, error
             assert "task was cancelled" not in error, error
         assert seconds < PROMPT_S, f"the failure took {seconds:.1f}s to end every rank"
@@ -375,9 +378,11 @@ def test_a_rollout_rank_that_cannot_join_a_lane_does_not_keep_the_other_lanes_wa
         assert status == "err", error
         assert "rollout rank 2 could not join trainer rank 0 (lane 0)" in error, error
         assert "cannot map the lane's buckets on purpose" in error, error
-        for sender in (1, 2):
+        for sender in (1, 2):  # joined; they end at once too when another rank relays the failure
             status, error = cluster.wait_result(sender, timeout=4 * timeout)
-            assert status == "ok", error
+            if status == "err":
+                assert "rollout rank 2 could not join trainer rank 0 (lane 0)" in error, error
+                assert "cannot map the lane's buckets on purpose" in error, error
         assert time.time() - start < PROMPT_S, "a later lane's sender waited for the failed rank's hello"
         for i in (0, 3, 4, 6):  # lane 0's side: its sender and the rollout ranks in its handshake
             status, error = cluster.wait_result(i, timeout=4 * timeout)
