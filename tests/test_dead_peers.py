@@ -14,7 +14,6 @@ import time
 import pytest
 from _transport_harness import Cluster  # type: ignore[import-not-found]
 from test_fleet_failures import (  # type: ignore[import-not-found]
-    DIE,
     FAILING,
     MODEL,
     PROMPT_S,
@@ -22,6 +21,8 @@ from test_fleet_failures import (  # type: ignore[import-not-found]
     ROLLOUTS,
     SEND,
     _clean_syncs,
+    _finalize_survivors,
+    _kill_mid_sync,
     _no_threads_left,
     _rollout,
 )
@@ -52,15 +53,7 @@ def test_a_rollout_rank_that_dies_unseen_by_pid_ends_every_rank_naming_it(transp
         _clean_syncs(cluster, (1,))
         cluster.post(0, "exec", NO_PID_CHECK)
         cluster.wait(0)
-        cluster.build_process_group()
-        cluster.post(0, "exec", SEND.format(model=MODEL, seed=2, extra={}))
-        for rank in range(ROLLOUTS):
-            cluster.post(_rollout(rank), "exec", DIE if rank == FAILING else RECEIVE.format(kw="{}"))
-        started = time.time()
-        healthy = [r for r in range(ROLLOUTS) if r != FAILING]
-        rollouts = {rank: cluster.wait(_rollout(rank)) for rank in healthy}
-        trainer = cluster.wait(0)
-        assert cluster.wait_result(_rollout(FAILING))[0] == "err"  # the process died
+        trainer, rollouts, started = _kill_mid_sync(cluster, seed=2)
         cause = "its connection to trainer rank 0 closed mid-sync (process died or network lost)"
         assert trainer["status"] == "err", trainer
         assert (
@@ -72,14 +65,10 @@ def test_a_rollout_rank_that_dies_unseen_by_pid_ends_every_rank_naming_it(transp
             named = f"rollout rank {rank}: rollout rank {FAILING} aborted the sync: {cause}"
             assert named in rollout["error"], (rank, rollout["error"])
         ended = {"trainer rank 0": trainer["ended"] - started}
-        ended.update({f"rollout rank {r}": rollouts[r]["ended"] - started for r in healthy})
+        ended.update({f"rollout rank {r}": rollout["ended"] - started for r, rollout in rollouts.items()})
         print(f"{transport}: rollout rank {FAILING} died; ranks ended after (s): {ended}")
         assert max(ended.values()) < PROMPT_S, ended
-        for index in [0, *(_rollout(r) for r in healthy)]:
-            cluster.post(index, "finalize")
-            cluster.wait(index)
-        assert not cluster.leaked_segments()
-        _no_threads_left(cluster, [0, *(_rollout(r) for r in healthy)])
+        _finalize_survivors(cluster)
 
 
 @pytest.mark.timeout(6 * TIMEOUT_S)

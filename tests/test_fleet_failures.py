@@ -171,6 +171,30 @@ def test_an_adapter_or_producer_failure_ends_every_rank_at_once_with_its_cause(t
         _producer_failure(cluster, transport)
 
 
+def _kill_mid_sync(cluster: Any, seed: int) -> tuple[dict[str, Any], dict[int, dict[str, Any]], float]:
+    """One sync in which rollout rank ``FAILING``'s process exits at its 5th tensor: (the trainer's
+    result, each healthy rollout rank's result, when the ranks were started)."""
+    cluster.build_process_group()
+    cluster.post(0, "exec", SEND.format(model=MODEL, seed=seed, extra={}))
+    for rank in range(ROLLOUTS):
+        cluster.post(_rollout(rank), "exec", DIE if rank == FAILING else RECEIVE.format(kw="{}"))
+    started = time.time()
+    rollouts = {rank: cluster.wait(_rollout(rank)) for rank in range(ROLLOUTS) if rank != FAILING}
+    trainer = cluster.wait(0)
+    assert cluster.wait_result(_rollout(FAILING))[0] == "err"  # the process died
+    return trainer, rollouts, started
+
+
+def _finalize_survivors(cluster: Any) -> None:
+    """Finalize every rank but the dead one; nothing may be left: no segment, no fastsync thread."""
+    survivors = [0, *(_rollout(r) for r in range(ROLLOUTS) if r != FAILING)]
+    for index in survivors:
+        cluster.post(index, "finalize")
+        cluster.wait(index)
+    assert not cluster.leaked_segments()
+    _no_threads_left(cluster, survivors)
+
+
 @pytest.mark.timeout(10 * TIMEOUT_S)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_killed_rollout_rank_ends_the_others_at_once_naming_it(transport: str) -> None:
@@ -178,15 +202,7 @@ def test_a_killed_rollout_rank_ends_the_others_at_once_naming_it(transport: str)
     trainer notices within moments that the process is gone, not after ``timeout_s``, and every rank
     fails naming rollout rank 2."""
     with _cluster(transport) as cluster:
-        cluster.build_process_group()
-        cluster.post(0, "exec", SEND.format(model=MODEL, seed=6, extra={}))
-        for rank in range(ROLLOUTS):
-            cluster.post(_rollout(rank), "exec", DIE if rank == FAILING else RECEIVE.format(kw="{}"))
-        started = time.time()
-        healthy = [r for r in range(ROLLOUTS) if r != FAILING]
-        rollouts = {rank: cluster.wait(_rollout(rank)) for rank in healthy}
-        trainer = cluster.wait(0)
-        assert cluster.wait_result(_rollout(FAILING))[0] == "err"  # the process died
+        trainer, rollouts, started = _kill_mid_sync(cluster, seed=6)
         gone = f"rollout rank {FAILING} failed: its process (pid "
         assert trainer["status"] == "err" and gone in trainer["error"], trainer
         assert "ended during the sync (killed or crashed)" in trainer["error"], trainer
@@ -198,11 +214,7 @@ def test_a_killed_rollout_rank_ends_the_others_at_once_naming_it(transport: str)
             assert "ended during the sync (killed or crashed)" in error, error
         ended = max(r["ended"] for r in [trainer, *rollouts.values()]) - started
         assert ended < PROMPT_S, f"the ranks ended {ended:.1f}s after the sync started"
-        for index in [0, *(_rollout(r) for r in healthy)]:
-            cluster.post(index, "finalize")
-            cluster.wait(index)
-        assert not cluster.leaked_segments()
-        _no_threads_left(cluster, [0, *(_rollout(r) for r in healthy)])
+        _finalize_survivors(cluster)
 
 
 @pytest.mark.timeout(900)
