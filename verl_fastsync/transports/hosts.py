@@ -37,6 +37,7 @@ a rank joins at most four groups, each of at most its host's ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
@@ -70,7 +71,7 @@ _logged: set[str] = set()
 ItemMap = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
 
 
-def supports_hosts(factory: EngineTransportFactory) -> bool:
+def supports_hosts(factory: Any) -> bool:
     """Whether the transport can run the host structure (it declares ``one_copy_per_host``: a
     rollout rank may also send, and its groups connect across hosts)."""
     load = getattr(factory, "load", None)
@@ -331,6 +332,16 @@ class HostsTransport(EngineTransport):
                 tensor = tensor.to(self.options.device)  # a direct receiver's buffers are host memory
             item = (name, tensor)
             del tensor
-            yield item
+            try:
+                yield item
+            except BaseException as exc:
+                # thrown in by whoever drives this stream (the consumer failed or stopped): the
+                # stream below takes it down its own failure path, which tells every other rank
+                with contextlib.suppress(BaseException):
+                    if isinstance(exc, GeneratorExit):
+                        await stream.aclose()
+                    else:
+                        await stream.athrow(exc)
+                raise
             del item
         self._stats = source.last_stats
