@@ -347,9 +347,16 @@ def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) ->
     assert _delta_memory(one_gpu, available=5625)[0] is not None  # the bases fit, the reserve does not
     # verl's default: 8 rollout GPUs per host, each rank its own base
     problem, note = _delta_memory([model], available=free + 6000)
-    assert problem is not None and "8 rollout ranks" in problem and "verl's default" in problem, problem
+    assert problem is not None and "one per rollout GPU: 8" in problem, problem
+    assert "verl's default" in problem, problem
     assert _delta_memory([model], available=free + 8 * 5625)[0] is None
     assert _delta_memory([model], available=free + 8 * 5625 - 1)[0] is not None
+    # across hosts (gloo, nixl) each host's leader keeps the host's one base; hosts=off: one per GPU
+    prefix = "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.fastsync"
+    nixl = [model, f"{prefix}.transport=nixl"]
+    problem, note = _delta_memory(nixl, available=free + 5625)
+    assert problem is None and "one copy per host: nixl" in note, note
+    assert _delta_memory([*nixl, f"{prefix}.hosts=off"], available=free + 5625)[0] is not None
     # rollout.n_gpus_per_node wins over the trainer's (verl's own fallback order), the last override wins
     four = [model, "trainer.n_gpus_per_node=8", "+actor_rollout_ref.rollout.n_gpus_per_node=4"]
     problem, note = _delta_memory(four, available=free + 4 * 5625)
@@ -358,7 +365,7 @@ def test_delta_memory_is_checked_against_the_checkpoints_size(tmp_path: Path) ->
         [model, "actor_rollout_ref.rollout.n_gpus_per_node=4", "actor_rollout_ref.rollout.n_gpus_per_node=5"],
         available=free + 4 * 5625,
     )
-    assert problem is not None and "5 rollout ranks" in problem
+    assert problem is not None and "one per rollout GPU: 5" in problem
     problem, note = _delta_memory(["+trainer.n_gpus_per_node=8"], available=6000)
     assert problem is None and "give actor_rollout_ref.model.path" in note
     assert "8 (trainer.n_gpus_per_node)" in note, note

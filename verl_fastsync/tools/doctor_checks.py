@@ -253,6 +253,25 @@ def rollout_ranks_per_host(overrides: Sequence[str]) -> tuple[int, str]:
     return VERL_GPUS_PER_NODE, f"verl's default {ROLLOUT_GPUS_KEY}"
 
 
+def _bases_per_host(overrides: Sequence[str]) -> tuple[int, str]:
+    """How many delta bases one rollout host keeps: one (on each host's leader) where the hosts layer
+    runs (``hosts=auto``, the default, with a transport that supports it: ``gloo``, ``nixl``), else
+    one per rollout rank (:func:`rollout_ranks_per_host`)."""
+    transport = _override(overrides, f"{ENGINE_KEY_PREFIX}.transport") or "shm"
+    hosts = (_override(overrides, f"{ENGINE_KEY_PREFIX}.hosts") or "auto").strip().lower()
+    if hosts == "auto":
+        try:
+            from verl_fastsync.plugins import plugin_manager, select_transport
+            from verl_fastsync.transports.hosts import supports_hosts
+
+            if supports_hosts(select_transport(plugin_manager(), transport, "engine")):
+                return 1, f"one copy per host: {transport} with {ENGINE_KEY_PREFIX}.hosts=auto"
+        except Exception:  # an unknown transport: the engine's own check reports it
+            pass
+    ranks, source = rollout_ranks_per_host(overrides)
+    return ranks, f"one per rollout GPU: {ranks} ({source})"
+
+
 def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tuple[str | None, str]:
     """(problem or None, note) for ``engine_kwargs.fastsync.delta=true``: the base costs the model's
     bytes in host memory on the sending trainer rank and on every rollout rank, so a rollout host
@@ -265,10 +284,10 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
     available = host_memory_available() if available is None else available
     path = _override(overrides, MODEL_PATH_KEY)
     size = _checkpoint_bytes(path) if path else None
-    ranks, source = rollout_ranks_per_host(overrides)
+    ranks, source = _bases_per_host(overrides)
     gib = 1 << 30
     have = f"{available / gib:.1f} GiB available here"
-    per_host = f"a rollout host keeps one per rollout GPU: {ranks} ({source})"
+    per_host = f"a rollout host keeps {source}"
     if size is None:
         return None, (
             f"{ENGINE_KEY_PREFIX}.delta=true keeps the model's bytes (as synced) in host memory on the "
@@ -288,7 +307,7 @@ def _delta_memory(overrides: Sequence[str], available: int | None = None) -> tup
     if need > available - reserve:
         return (
             f"{ENGINE_KEY_PREFIX}.delta=true: a rollout host needs about {need / gib:.2f} GiB of host "
-            f"memory for its bases ({ranks} rollout ranks ({source}) x {one / gib:.2f} GiB: the "
+            f"memory for its bases ({source}, {ranks} x {one / gib:.2f} GiB: the "
             f"checkpoint at {path} plus an eighth for the undo journal during a delta sync) and this "
             f"host has {available / gib:.2f} GiB available, of which {reserve / gib:.2f} GiB stay free; "
             "set delta=false, run fewer rollout GPUs per host, or free host memory (at run time a rank "
