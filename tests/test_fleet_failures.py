@@ -74,7 +74,9 @@ result = left
 
 
 def _cluster(transport: str) -> Cluster:
-    ctor = {"bucket_size": 4096, "timeout_s": TIMEOUT_S}
+    # every rollout rank its own destination (hosts=off): the one-copy-per-host paths have their
+    # own failure tests (test_hosts.py)
+    ctor = {"bucket_size": 4096, "timeout_s": TIMEOUT_S, "hosts": "off"}
     return Cluster(transport, 1, ROLLOUTS, mode="engine", ctor=ctor, timeout=4 * TIMEOUT_S)
 
 

@@ -1,0 +1,287 @@
+"""One copy per host (``engine_kwargs.fastsync.hosts=auto``, :mod:`verl_fastsync.transports.hosts`).
+
+The hosts are simulated on this machine: each rollout process is told its shared-memory identity
+(what :func:`~verl_fastsync.io.hostid.host_identity` would read from its host's ``/dev/shm``), so the
+chain between hosts runs over real gloo / NIXL groups and the fan-out within a host over real shared
+memory. The bench (``verl-fastsync bench --sections fanout``) measures the same code across network
+namespaces with a private ``/dev/shm`` per host and counts the bytes on every link.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
+
+from verl_fastsync.io.hostid import host_identity
+from verl_fastsync.transports.hosts_topology import chain_of_hosts
+
+TIMEOUT_S = 60
+PROMPT_S = 15  # "at once" on a loaded 2-core host: far below TIMEOUT_S
+MODEL = [TensorSpec(f"layer{i}.w", (900,), "float32") for i in range(12)]  # one tensor per 4 KiB bucket
+MODEL_BYTES = 12 * 900 * 4
+# failures: more buckets than the chain holds in flight, so the trainer is still sending when they happen
+LONG = [TensorSpec(f"layer{i}.w", (900,), "float32") for i in range(48)]
+
+IDENTITY = """
+import verl_fastsync.transports.hosts as hosts
+hosts.host_identity = lambda directory=None: ({key!r}, "" if {key!r} else "no /dev/shm here")
+result = None
+"""
+
+ROLE = """
+t = worker.engine.transport
+plans = [t.plan] if hasattr(t, "plan") else [lane.plan for lane in t.lanes]
+up = [getattr(lane.up, "last_stats", None) for lane in ([t] if hasattr(t, "plan") else t.lanes)]
+result = ([sorted(k for k in ("direct", "up", "down", "fanout", "local") if k in p) for p in plans],
+          [None if s is None else s.bytes for s in up])
+"""
+
+RECEIVE = """
+import time
+from _verl_receive import verl_update_weights
+result = verl_update_weights(worker, **{kw})
+result["ended"] = time.time()
+"""
+
+SEND = """
+import time
+from _transport_harness import TensorSpec
+try:
+    result = {{"status": "ok", "value": worker.send({model!r}, {seed}, {extra!r})}}
+except Exception as exc:
+    result = {{"status": "err", "error": f"{{type(exc).__name__}}: {{exc}}"}}
+result["ended"] = time.time()
+"""
+
+DIE = """
+import os
+import _verl_receive
+
+
+async def dying(self, weights, **kwargs):
+    loaded = 0
+    async for _name, _tensor in weights:
+        loaded += 1
+        if loaded == 5:  # killed while loading its 5th tensor: no Abort, no reason
+            os._exit(17)
+
+
+_verl_receive.FailingAdapter.update_weights = dying
+_verl_receive.verl_update_weights(worker)
+"""
+
+
+def _cluster(transport: str, hosts: list[str | None], n_actor: int = 1, **ctor: Any) -> Cluster:
+    base = {"bucket_size": 4096, "timeout_s": TIMEOUT_S} | ctor
+    cluster = Cluster(transport, n_actor, len(hosts), mode="engine", ctor=base, timeout=4 * TIMEOUT_S)
+    for rank, key in enumerate(hosts):
+        cluster.post(n_actor + rank, "exec", IDENTITY.format(key=key))
+        cluster.wait(n_actor + rank)
+    return cluster
+
+
+def _roles(cluster: Cluster) -> list[Any]:
+    out = []
+    for rank in range(cluster.n_rollout):
+        cluster.post(cluster.n_actor + rank, "exec", ROLE)
+        out.append(cluster.wait(cluster.n_actor + rank))
+    return out
+
+
+def _check(result: dict[str, Any], seed: int, step: int = 0) -> None:
+    want = sorted(expected_digests(MODEL, seed, step))
+    for rank, receiver in enumerate(result["receivers"]):
+        assert sorted(tuple(d) for d in receiver["digests"]) == want, (rank, seed, step)
+
+
+def test_ranks_sharing_memory_form_a_host_and_lanes_rotate_leaders() -> None:
+    keys: list[str | None] = ["a", "a", "b", "b", None, "c"]
+    assert chain_of_hosts(keys, 0) == [[0, 1], [2, 3], [4], [5]]
+    # lane 1 enters the fleet at the second host, led by each host's second rank (another rail)
+    assert chain_of_hosts(keys, 1) == [[3, 2], [4], [5], [1, 0]]
+    assert chain_of_hosts(["x"] * 4, 2) == [[2, 3, 0, 1]]
+    assert chain_of_hosts([None, None], 0) == [[0], [1]]  # no identity: a host alone
+
+
+def test_host_identity_is_shared_exactly_by_processes_that_share_the_directory(tmp_path: Any) -> None:
+    one, two = tmp_path / "host1", tmp_path / "host2"
+    one.mkdir()
+    two.mkdir()
+    first, why = host_identity(str(one))
+    assert first is not None and why == ""
+    code = (
+        "import sys; from verl_fastsync.io.hostid import host_identity; print(host_identity(sys.argv[1])[0])"
+    )
+    other = subprocess.run([sys.executable, "-c", code, str(one)], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == first  # another process, the same directory: the same host
+    assert host_identity(str(two))[0] not in (None, first)  # another /dev/shm: another host
+    assert os.listdir(one) == [f"verl_fastsync_host_id.{os.getuid()}"]  # no private file left behind
+    missing, why = host_identity(str(tmp_path / "absent"))
+    assert missing is None and "cannot create" in why and "absent" in why
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_each_host_receives_once_and_its_ranks_read_shared_memory(transport: str) -> None:
+    """2 hosts x 2 rollout ranks + a rank with no shared memory (a host alone): every rank gets every
+    byte on every sync; only one rank per host receives across the network (the model's bytes, once),
+    the first host's leader relays onward, the others read their host's shared memory."""
+    with _cluster(transport, ["h1", "h1", "h2", "h2", None]) as cluster:
+        for seed in range(3):
+            _check(cluster.sync(MODEL, seed), seed)
+        roles = _roles(cluster)
+    assert [r[0] for r in roles] == [
+        [["down", "fanout", "up"]],
+        [["local"]],
+        [["down", "fanout", "up"]],
+        [["local"]],
+        [["up"]],  # the chain's last host, alone
+    ]
+    assert [r[1] for r in roles] == [[MODEL_BYTES], [None], [MODEL_BYTES], [None], [MODEL_BYTES]]
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+def test_each_lane_enters_at_another_host_and_rail() -> None:
+    """2 senders, 2 hosts x 2 ranks, gloo: the first sync of a new lane runs directly (the ranks hold
+    no endpoints of it yet), from the second on lane 0 is led by each host's first rank and lane 1 by
+    its second, entering at the other host; every byte arrives on every sync."""
+    with _cluster("gloo", ["h1", "h1", "h2", "h2"], n_actor=2, senders=2) as cluster:
+        _check(cluster.sync(MODEL, 0), 0)
+        assert all(r[0] == [["direct"], ["direct"]] for r in _roles(cluster))
+        for seed in (1, 2):
+            _check(cluster.sync(MODEL, seed), seed)
+        roles = [r[0] for r in _roles(cluster)]
+    assert roles == [
+        [["down", "fanout", "up"], ["local"]],
+        [["local"], ["fanout", "up"]],  # lane 1's chain ends at the first host
+        [["fanout", "up"], ["local"]],
+        [["local"], ["down", "fanout", "up"]],  # lane 1 enters here
+    ]
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+def test_delta_keeps_one_base_per_host_on_its_leader() -> None:
+    """delta=true over 2 hosts x 2 ranks (nixl): exact on every sync, the syncs after the first diff;
+    the leaders hold the base (the model's bytes), the other ranks none."""
+    with _cluster("nixl", ["h1", "h1", "h2", "h2"], delta=True) as cluster:
+        for step in range(3):
+            result = cluster.sync(MODEL, 0, {"step": step})
+            _check(result, 0, step)
+            [sent] = [s["metrics"] for s in result["senders"] if s["metrics"]]
+            assert sent["fastsync/transfer/delta_sync"] == float(step > 0), sent
+        read = "side = worker.engine.delta_decoder\nresult = side.base_bytes"
+        bases = []
+        for rank in range(4):
+            cluster.post(1 + rank, "exec", read)
+            bases.append(cluster.wait(1 + rank))
+    assert bases[0] == bases[2] >= MODEL_BYTES
+    assert bases[1] == bases[3] == 0
+
+
+def _run(
+    cluster: Cluster,
+    seed: int,
+    adapters: dict[int, Any] | None = None,
+    die: int | None = None,
+    send_extra: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    cluster.build_process_group()
+    cluster.post(0, "exec", SEND.format(model=LONG, seed=seed, extra=send_extra or {}))
+    for rank in range(cluster.n_rollout):
+        code = DIE if rank == die else RECEIVE.format(kw=repr((adapters or {}).get(rank, {})))
+        cluster.post(1 + rank, "exec", code)
+    rollouts = {rank: cluster.wait(1 + rank) for rank in range(cluster.n_rollout) if rank != die}
+    return cluster.wait(0), rollouts
+
+
+def _all_failed(results: dict[Any, dict[str, Any]], start: float, named: str, cause: str) -> None:
+    for who, result in results.items():
+        assert result["status"] == "err", (who, result)
+        assert named in result["error"] and cause in result["error"], (who, result["error"])
+        assert "timed out" not in result["error"], (who, result["error"])
+        assert result["ended"] - start < PROMPT_S, (who, result["ended"] - start)
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_a_failure_anywhere_ends_every_rank_with_its_cause(transport: str) -> None:
+    """2 hosts x 2 ranks, each rollout rank through verl's ``update_weights``. verl's server adapter of
+    rollout rank 3 (reading the second host's shared memory) raises at its 2nd tensor: every rank's
+    sync ends within moments naming rollout rank 3 and its error (the trainer through two hops, the
+    first host's ranks through the relay). Then the trainer's producer raises: every rollout rank
+    ends with it. The next sync is exact."""
+    with _cluster(transport, ["h1", "h1", "h2", "h2"]) as cluster:
+        _check(cluster.sync(MODEL, 0), 0)
+        start = time.time()
+        trainer, rollouts = _run(cluster, 1, adapters={3: {"fail_at": 2}})
+        cluster.call_all("finalize")
+        assert rollouts[3]["error"].startswith("LoadError: load_weights failed"), rollouts[3]
+        del rollouts[3]
+        _all_failed(
+            {"trainer": trainer, **rollouts}, start, "rollout rank 3", "the consumer failed: LoadError"
+        )
+        start = time.time()
+        trainer, rollouts = _run(cluster, 2, send_extra={"raise_after": 3})
+        cluster.call_all("finalize")
+        assert "producer failed on purpose after 3 tensors" in trainer["error"], trainer
+        cause = "RuntimeError: producer failed on purpose after 3 tensors"
+        _all_failed(dict(rollouts), start, "trainer rank 0", cause)
+        _check(cluster.sync(MODEL, 3), 3)
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+def test_a_relay_that_dies_mid_chain_is_named_on_every_rank() -> None:
+    """The first host's leader (rollout rank 0, the relay to the second host) is killed while loading
+    its 5th tensor: the trainer, its own host's other rank and the second host's ranks all fail within
+    moments, naming rollout rank 0."""
+    with _cluster("nixl", ["h1", "h1", "h2", "h2"]) as cluster:
+        _check(cluster.sync(MODEL, 0), 0)
+        cluster.call_all("finalize")
+        start = time.time()
+        trainer, rollouts = _run(cluster, 1, die=0)
+        _all_failed({"trainer": trainer, **rollouts}, start, "rollout rank 0", "")
+
+
+COUNT = """
+import os
+import threading
+result = (threading.active_count(), len(os.listdir("/proc/self/fd")))
+"""
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(1200)
+def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() -> None:
+    """2 senders (gloo) to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
+    relaying lane 0, a reader of lane 1) and rank 1 hold the same number of threads and file
+    descriptors in both fleets: what a rank holds grows with the lanes, not with lanes x ranks (a
+    full-mesh gloo group per lane, kept between syncs, grew with every rank)."""
+    counts = []
+    for hosts in (["h1", "h1", "h2", "h2"], ["h1", "h1", "h2", "h2", "h3", "h3"]):
+        with _cluster("gloo", hosts, n_actor=2, senders=2) as cluster:
+            for seed in range(3):
+                _check(cluster.sync(MODEL, seed), seed)
+            seen = []
+            for rank in (0, 1):
+                cluster.post(2 + rank, "exec", COUNT)
+                seen.append(cluster.wait(2 + rank))
+            counts.append(seen)
+    print("threads, fds of rollout ranks 0 and 1 at 4 and 6 rollout ranks:", counts)
+    assert counts[0] == counts[1], counts
