@@ -26,7 +26,8 @@ Select it with::
     64 MiB a lane, 8 x 64 MiB = the 512 MiB of one sender).
   - memory: at most :data:`AUTO_FRACTION` (5%) of the smallest free memory among the participating
     ranks (every sending trainer rank and every rollout rank; a rollout rank's free memory divided
-    by the ``K`` lanes it holds buckets of), rounded down to a MiB. Free memory is the device's for
+    by the ``K`` lanes it holds buckets of, and by 3 more over the hosts: a leader receives, relays
+    and fans out), rounded down to a MiB. Free memory is the device's for
     device transports (``nccl``: its buffers live on the accelerator, from the first sync on), host
     ``MemAvailable`` for CPU ones, or what the process's memory cgroup still allows where that is
     less. When that is below the floor, the topology step fails naming the rank.
@@ -51,6 +52,11 @@ Select it with::
   lanes (:mod:`verl_fastsync.transports.lanes`; the plan and the exactly-once checks:
   :mod:`verl_fastsync.transports.lanes_plan`). verl passes ``is_master`` to trainer engines only, so
   an engine constructed with it (True or False) is a trainer rank and prepares as a possible sender.
+* ``hosts`` (default ``"auto"``): one copy per host for transports that declare it (``gloo``,
+  ``nixl``): rollout ranks that share ``/dev/shm`` form a host, one rank per host receives across the
+  network, hosts are chained bucket by bucket and each host's other ranks read what arrived from
+  shared memory (:mod:`verl_fastsync.transports.hosts`; each lane of ``senders`` is its own chain).
+  ``"off"``: every rollout rank is its own destination across the network.
 
 * ``delta`` (default false): each tensor is sent as its difference from what was sent in the last
   sync, and every receiver rebuilds the full tensor before yielding it (:mod:`verl_fastsync.delta.stream`).
@@ -298,8 +304,10 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             lanes = len(actor["lane_senders"][0])
         sending = [r for r, lane in enumerate(actor.get("lane", [0])) if lane >= 0]
         participants = [(f"trainer rank {r}", metadata[r], 1) for r in sending]
-        # a rollout rank holds the buckets of every lane
-        participants += [(f"rollout rank {j}", m, lanes) for j, m in enumerate(metadata[actor_world_size:])]
+        # a rollout rank holds the buckets of every lane; over the hosts a leader holds three groups'
+        # (receive, relay onward, fan out in shared memory)
+        held = lanes * (3 if isinstance(factory, HostsFactory) else 1)
+        participants += [(f"rollout rank {j}", m, held) for j, m in enumerate(metadata[actor_world_size:])]
         sizes = {m.get("bucket_size") for _, m, _ in participants}
         if len(sizes) != 1:
             raise ValueError(f"fastsync: ranks disagree on the bucket size: {sorted(map(str, sizes))}")
