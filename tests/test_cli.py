@@ -108,6 +108,7 @@ def _doctor_json(*overrides: str, env: dict[str, str] | None = None) -> tuple[in
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(150)
 def test_doctor_plugin_present(verl_version: tuple[int, int, int]) -> None:
     rc, report, err = _doctor_json(f"+{KEY}.enable=true", f"+{KEY}.pre_resume_cleanup=adaptive", ROUTE)

@@ -489,6 +489,7 @@ def test_ipc_protocol_fence_before_handover_ack_before_reuse(handle: str) -> Non
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(60)
 def test_substitution_follows_the_enable_flag(handle: str, monkeypatch: pytest.MonkeyPatch) -> None:
     module = harness.load_verl_bwt("verl_bwt_substitution")
@@ -528,6 +529,7 @@ def test_substitution_follows_the_enable_flag(handle: str, monkeypatch: pytest.M
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(120)
 def test_shm_end_to_end_two_processes_on_verl_shapes(handle: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """verl's module (by file path) with the substitution installed, sender here, receiver in a

@@ -4,8 +4,9 @@ delta sync equals the full sync of the same weights, byte for byte; a sync that 
 puts every base back at the last good epoch and the next one diffs against it (or is full when a
 rank had committed its part); far fewer bytes move when few values changed.
 
-Only the first test is marked ``verl`` (run against every verl release): the delta layer uses no verl
-API beyond the engine's; the others run with the default release."""
+Only the first test is marked ``verl`` (it builds the engine on verl's base class). None runs per
+release: the delta layer uses no verl API beyond the engine's; a delta sync through each release's own
+``CheckpointEngineWorker.update_weights`` body is ``test_failure_paths``' load-error test."""
 
 from __future__ import annotations
 

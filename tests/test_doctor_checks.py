@@ -287,6 +287,7 @@ def _import_stderr(env: dict[str, str]) -> str:
 
 
 @pytest.mark.verl
+@pytest.mark.release
 @pytest.mark.timeout(300)
 def test_checkpoint_engine_import_with_plugin_has_no_cupy_nccl_warning() -> None:
     """cupy warns about libnccl when verl's checkpoint_engine imports its NCCL engine on a host

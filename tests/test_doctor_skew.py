@@ -105,6 +105,7 @@ def test_no_vllm_or_no_verl_gives_no_warning(tmp_path: Path) -> None:
 
 
 @pytest.mark.verl
+@pytest.mark.release
 def test_the_installed_verl_against_vllm_032_and_an_agreeing_vllm(tmp_path: Path) -> None:
     """The installed release's own server module: 0.9.1 calls ``wait_for_inflight_requests=``
     (vLLM 0.32 refuses it); a release whose server does not make that call gets no warning."""

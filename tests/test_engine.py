@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from _transport_harness import Cluster, TensorSpec, expected_digests, synthetic_model  # type: ignore[import-not-found]
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.release]
 
 MIB = 1 << 20
 

@@ -4,6 +4,9 @@ rollout's reason, and the next sync is unharmed.
 Each rollout rank runs the release's real ``CheckpointEngineWorker.update_weights`` body (see
 ``_verl_receive``) on a persistent event loop, as a Ray actor does; the trainer runs the engine's
 ``send_weights``; both are spawned processes driven through verl's engine protocol.
+
+The per-release runs (``release``, see ``_release``) take each test on gloo: verl's method is the same
+whatever the transport. The NIXL-over-TCP test is the transport's own and runs on verl 0.9.1 only.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import time
 from typing import Any
 
 import pytest
+from _release import transports  # type: ignore[import-not-found]
 from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
 
 pytestmark = pytest.mark.verl
 
-CPU_TRANSPORTS = ["shm", "gloo", "nixl"]
+CPU_TRANSPORTS = transports("shm", "gloo", "nixl")
 TIMEOUT_S = 60  # the trainer's timeout_s: the old behaviour waited it out
 PROMPT_S = 20  # "at once" on a loaded 2-core host: far below TIMEOUT_S, far above the ~10 ms it takes
 MODEL = [TensorSpec(f"layer{i}.w", (900,), "float32") for i in range(12)]  # one tensor per 4 KiB bucket
@@ -75,7 +79,7 @@ def test_an_adapter_error_reaches_the_trainer_at_once_with_its_text(transport: s
 
 
 @pytest.mark.timeout(12 * TIMEOUT_S)
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("transport", transports("shm", "gloo"))
 def test_an_adapter_that_stops_early_fails_the_sync_on_both_sides(transport: str) -> None:
     """The adapter returns after 3 tensors without an error: the rollout would run on half-updated
     weights. verl's method now raises on the rollout, and the trainer hears "the consumer stopped
@@ -239,6 +243,7 @@ def test_memory_a_holding_consumer_lets_go_comes_back_at_once(transport: str) ->
             assert state["lent"] == 0 and state["quarantined"] == 0, state
 
 
+@pytest.mark.release
 @pytest.mark.timeout(12 * TIMEOUT_S)
 def test_a_load_error_mid_delta_reaches_the_trainer_and_the_next_sync_diffs_again() -> None:
     """``delta=true`` through verl's worker method: a full sync, a delta sync, then the adapter fails

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.verl, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.verl, pytest.mark.release, pytest.mark.timeout(240)]
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 

@@ -5,7 +5,8 @@ The plan and the receiver's bookkeeping are checked in-process; the engine end t
 processes driven through verl's engine protocol (see ``_transport_harness``): 2 trainer ranks x 2
 rollout ranks on shm, gloo and nixl, tensors chunked over several buckets, a sender failing
 mid-sync, a sender that breaks the plan (a missing or a duplicated tensor), a sender that never
-arrives.
+arrives. None runs per release (``release``): the lanes use no verl API beyond the engine's; verl's
+own manager driving two senders, on each release, is ``test_senders_verl``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ processes (see ``_transport_harness``), each rollout rank running verl's own
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -256,6 +258,47 @@ def _cluster(transport: str, n_actor: int, n_rollout: int, **ctor: Any) -> Clust
     return Cluster(transport, n_actor, n_rollout, mode="engine", ctor=base | ctor, timeout=4 * TIMEOUT_S)
 
 
+class Shared(Protocol):
+    def __call__(self, transport: str, n_actor: int, n_rollout: int) -> AbstractContextManager[Cluster]: ...
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Shared]:
+    """``with shared(transport, n_actor, n_rollout) as cluster``: the cluster the previous test of this
+    module used when it asked for the same, else a new one (the previous one closed first: one lives at
+    a time). Starting 6-7 engine ranks, each importing torch and verl, is most of such a test's time;
+    the tests that share are ordered one after another. Each test leaves its cluster as it found it
+    (a clean sync at its end, its patches undone); one that fails closes it."""
+    live: dict[tuple[str, int, int], Cluster] = {}
+
+    def close() -> None:
+        for cluster in live.values():
+            cluster.__exit__(None, None, None)
+        live.clear()
+
+    @contextmanager
+    def get(transport: str, n_actor: int, n_rollout: int) -> Iterator[Cluster]:
+        key = (transport, n_actor, n_rollout)
+        if key not in live:
+            close()
+            live[key] = _cluster(transport, n_actor, n_rollout).__enter__()
+        try:
+            yield live[key]
+        except BaseException:
+            close()
+            raise
+
+    yield get
+    close()
+
+
+@pytest.fixture(scope="module", params=["shm", "gloo", "nixl"])
+def fleet_transport(request: pytest.FixtureRequest) -> str:
+    """The transport of the 3 x 4 tests: module-scoped, so pytest runs them transport by transport and
+    they share each transport's cluster."""
+    return str(request.param)
+
+
 def _verl_sync(
     cluster: Cluster, seed: int, adapter: dict[int, Any] | None = None
 ) -> tuple[list[tuple[str, Any]], list[Any], float]:
@@ -279,23 +322,23 @@ def _verl_sync(
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("transport", "change", "field"),
-    [
+    [  # one after another on each transport: they share its cluster
         ("shm", "dtype", "dtype"),
-        ("gloo", "dtype", "dtype"),
-        ("nixl", "dtype", "dtype"),
         ("shm", "shape", "shape"),
         ("shm", "size", "shape"),
         ("shm", "order", "name"),
+        ("gloo", "dtype", "dtype"),
+        ("nixl", "dtype", "dtype"),
     ],
 )
 def test_trainer_ranks_that_disagree_fail_before_the_disputed_tensor(
-    transport: str, change: str, field: str
+    transport: str, change: str, field: str, shared: Shared
 ) -> None:
     """2 senders x 4 rollout ranks through verl's ``update_weights``: trainer rank 1 yields tensor 5
     differently (a dtype or a shape for the same bytes, another size, two tensors swapped). Every
     rollout rank fails naming position 5, the field and both trainer ranks, and never loads tensor 5;
     both trainer ranks fail with that cause, promptly; the next, agreeing sync is whole."""
-    with _cluster(transport, 2, 4) as cluster:
+    with shared(transport, 2, 4) as cluster:
         cluster.post(1, "exec", DISAGREE.format(change=change, at=5))
         cluster.wait(1)
         trainers, rollouts, seconds = _verl_sync(cluster, 1)
@@ -318,13 +361,12 @@ def test_trainer_ranks_that_disagree_fail_before_the_disputed_tensor(
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", ["shm", "gloo", "nixl"])
-def test_a_consumer_failure_reaches_every_sender_with_its_cause(transport: str) -> None:
+def test_a_consumer_failure_reaches_every_sender_with_its_cause(fleet_transport: str, shared: Shared) -> None:
     """3 senders x 4 rollout ranks: rollout rank 2's adapter raises at its 5th tensor. Every sender
     whose lane was still running fails with that cause (not "the consumer's task was cancelled"),
     promptly; a sender whose lane had already delivered all its bytes may return (documented: the
     sync fails on every rollout rank, so verl's manager fails the step), but never all of them."""
-    with _cluster(transport, 3, 4) as cluster:
+    with shared(fleet_transport, 3, 4) as cluster:
         trainers, rollouts, seconds = _verl_sync(cluster, 2, {2: {"fail_at": 4}})
         assert rollouts[2]["status"] == "err" and "load_weights failed on purpose" in rollouts[2]["error"]
         failed = [error for status, error in trainers if status == "err"]
@@ -345,13 +387,19 @@ def init_process_group(self, **kwargs):
 cls.init_process_group = init_process_group
 result = None
 """
+CAN_JOIN = """
+cls = worker.engine.factory.load()
+cls.init_process_group = cls.init_process_group.__globals__["original"]
+result = None
+"""
 
 
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", ["shm", "gloo", "nixl"])
-def test_a_rollout_rank_that_cannot_join_a_lane_does_not_keep_the_other_lanes_waiting(transport: str) -> None:
+def test_a_rollout_rank_that_cannot_join_a_lane_does_not_keep_the_other_lanes_waiting(
+    fleet_transport: str, shared: Shared
+) -> None:
     """3 senders x 4 rollout ranks; rollout rank 2 cannot join lane 0 (fails before its lane
     transport ran any code). It fails at once naming itself, the lane and the cause; the senders of
     lanes 1 and 2 are not left waiting for its hello (it joins every lane at once; before, a rank that
@@ -359,7 +407,7 @@ def test_a_rollout_rank_that_cannot_join_a_lane_does_not_keep_the_other_lanes_wa
     and lane 0's side (its sender, the rollout ranks waiting in its handshake) hears the cause from
     the lane's handshake (``abort_join``) at once, instead of waiting out ``timeout_s``."""
     timeout = TIMEOUT_S
-    with _cluster(transport, 3, 4) as cluster:
+    with shared(fleet_transport, 3, 4) as cluster:
         cluster.post(5, "exec", CANNOT_JOIN)
         cluster.wait(5)
         metadata = cluster.call_all("prepare")
@@ -391,3 +439,5 @@ def test_a_rollout_rank_that_cannot_join_a_lane_does_not_keep_the_other_lanes_wa
         seconds = time.time() - start
         assert seconds < PROMPT_S, f"lane 0 took {seconds:.1f}s (timeout_s={timeout}) to hear the cause"
         cluster.call_all("finalize")
+        cluster.post(5, "exec", CAN_JOIN)
+        cluster.wait(5)
