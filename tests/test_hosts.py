@@ -285,3 +285,26 @@ def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() ->
             counts.append(seen)
     print("threads, fds of rollout ranks 0 and 1 at 4 and 6 rollout ranks:", counts)
     assert counts[0] == counts[1], counts
+
+
+def test_ranks_of_one_host_under_different_hostnames_share_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host with a NIC per GPU may name each rail's rank differently: the shared-memory identity,
+    not the hostname, makes them one host, and their shm group is built (the shm transport alone
+    would refuse ranks on different hostnames)."""
+    from verl_fastsync.transports import hosts as hosts_module
+    from verl_fastsync.transports.base import TransportOptions
+    from verl_fastsync.transports.gloo import GlooTransport
+
+    monkeypatch.setattr(hosts_module, "host_identity", lambda directory=None: ("one-host", ""))
+    factory = hosts_module.HostsFactory(GlooTransport)
+    ranks = [factory(TransportOptions(is_master=True))] + [factory(TransportOptions()) for _ in range(2)]
+    try:
+        metadata = [rank.prepare() for rank in ranks]
+        for index, meta in enumerate(metadata[1:]):
+            for side in ("fanout", "local"):
+                meta["hosts"][side]["host"] = f"rail{index}"
+        _actor, rollout = factory.build_topology(1, 2, metadata)
+        assert "fanout" in rollout["hosts_plan"][0] and "local" in rollout["hosts_plan"][1]
+    finally:
+        for rank in ranks:
+            rank.finalize()

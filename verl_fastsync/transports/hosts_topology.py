@@ -126,9 +126,11 @@ def hosts_topology(
         if len(ranks) == 1:
             continue
         leader, members = ranks[0], ranks[1:]
-        s_kw, r_kw = shm_factory.build_topology(
-            1, len(members), [hosts[leader]["fanout"]] + [hosts[m]["local"] for m in members]
-        )
+        # the shared-memory identity proved these ranks one host, whatever their hostnames say (a
+        # multi-NIC host may give each rail's rank its own name)
+        name = hosts[leader]["fanout"].get("host")
+        local = [dict(hosts[m]["local"], host=name) for m in members]
+        s_kw, r_kw = shm_factory.build_topology(1, len(members), [hosts[leader]["fanout"], *local])
         fleet = [r + 1 for r in ranks]
         plans[leader].update(fanout=_one(s_kw, 0), local_fleet=fleet)
         for index, member in enumerate(members):
