@@ -125,10 +125,13 @@ class NamespaceStar:
             counts.append((int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])))
         return counts
 
-    def spawn(self, end: Endpoint, env: dict[str, str] | None = None) -> NetnsWorker:
+    def spawn(
+        self, end: Endpoint, env: dict[str, str] | None = None, mount_ns: str | None = None
+    ) -> NetnsWorker:
+        """A worker in ``end``'s namespace (first in the mount namespace ``mount_ns``, if given)."""
         if not self._open:
             raise RuntimeError("NamespaceStar.spawn before open()")
-        worker = NetnsWorker(end, env=env, start_timeout_s=180.0)
+        worker = NetnsWorker(end, env=env, start_timeout_s=180.0, mount_ns=mount_ns)
         self.workers.append(worker)
         return worker
 
