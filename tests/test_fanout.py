@@ -116,6 +116,10 @@ def test_a_fanout_row_with_a_wrong_type_is_refused() -> None:
     ("change", "message"),
     [
         ({"shapes": ((0, 2),)}, "shapes must be"),
+        ({"rank_shapes": ((1, 0),)}, "rank_shapes must be (hosts, ranks per host) pairs"),
+        ({"hosts": ("on",)}, "hosts ['on']: allowed: default, auto, off"),
+        ({"shm_mib": 0}, "shm_mib must be a positive int"),
+        ({"kinds": ("rank",), "senders": (4,), "rank_shapes": ((4, 4),)}, "at most 16"),
         ({"kinds": ("vm",)}, "kinds ['vm']: allowed: host, rank"),
         ({"transports": ("nccl",)}, "transports ['nccl']: allowed: gloo, nixl, verl-nixl"),
         ({"senders": (0,)}, "senders must be ints in [1, 8]"),

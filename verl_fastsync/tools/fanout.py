@@ -79,6 +79,8 @@ Place = tuple[int, int, int]
 class FanoutOptions:
     shapes: tuple[Shape, ...] = ((1, 1), (1, 8), (2, 4), (4, 2))
     """(rollout hosts, ranks per host); the first should be (1, 1): every row's "x 1x1" is against it."""
+    rank_shapes: tuple[Shape, ...] | None = None
+    """The shapes of the ``link per rank`` kind; ``None``: :attr:`shapes`."""
     kinds: tuple[str, ...] = ("host", "rank")
     senders: tuple[int, ...] = (1, 4)
     transports: tuple[str, ...] = TRANSPORTS
@@ -91,6 +93,9 @@ class FanoutOptions:
     shm_mib: int | None = None
     """Each simulated host's ``/dev/shm`` in MiB; ``None``: the payload + 8 buckets per sender."""
 
+    def shapes_of(self, kind: str) -> tuple[Shape, ...]:
+        return self.rank_shapes if kind == "rank" and self.rank_shapes is not None else self.shapes
+
     def host_shm_mib(self) -> int:
         return self.shm_mib or self.payload_mib + 8 * self.bucket_mib * max(self.senders)
 
@@ -101,15 +106,19 @@ class FanoutOptions:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive int, got {value!r}")
-        if not self.shapes or any(h < 1 or r < 1 for h, r in self.shapes):
-            raise ValueError(f"shapes must be (hosts, ranks per host) pairs >= 1, got {self.shapes!r}")
+        for key in ("shapes", "rank_shapes"):
+            shapes = getattr(self, key)
+            if (shapes is not None or key == "shapes") and (
+                not shapes or any(h < 1 or r < 1 for h, r in shapes)
+            ):
+                raise ValueError(f"{key} must be (hosts, ranks per host) pairs >= 1, got {shapes!r}")
         if not self.senders or any(k < 1 or k > 8 for k in self.senders):
             raise ValueError(f"senders must be ints in [1, 8], got {self.senders!r}")
         for name, allowed in (("kinds", tuple(KINDS)), ("transports", TRANSPORTS), ("hosts", HOSTS)):
             bad = [v for v in getattr(self, name) if v not in allowed]
             if bad or not getattr(self, name):
                 raise ValueError(f"{name} {bad or '()'}: allowed: {', '.join(allowed)}")
-        if "rank" in self.kinds and max(self.senders) + max(h * r for h, r in self.shapes) > 16:
+        if "rank" in self.kinds and max(self.senders) + max(h * r for h, r in self.shapes_of("rank")) > 16:
             raise ValueError("link per rank: senders + rollout ranks must be at most 16 (one namespace each)")
         if not 0 < self.gbit <= 400:
             raise ValueError(f"gbit must be in (0, 400] Gbit/s, got {self.gbit!r}")
@@ -124,7 +133,7 @@ QUICK = FanoutOptions(
     repeats=2,
     timeout_s=120.0,
 )
-FULL = FanoutOptions()
+FULL = FanoutOptions(rank_shapes=((1, 1), (1, 4), (1, 8), (2, 4), (4, 2)))
 
 
 class _Fleet:
@@ -136,11 +145,11 @@ class _Fleet:
     def __init__(self, kind: str, opts: FanoutOptions) -> None:
         self.kind, self.opts = kind, opts
         self.max_senders = max(opts.senders)
-        max_hosts = max(h for h, _ in opts.shapes)
+        max_hosts = max(h for h, _ in opts.shapes_of(kind))
         if kind == "host":
             leaves = 1 + max_hosts
         else:
-            leaves = self.max_senders + max(h * r for h, r in opts.shapes)
+            leaves = self.max_senders + max(h * r for h, r in opts.shapes_of(kind))
         self.star = NamespaceStar(leaves, opts.gbit, switch=True)
         self.shm = ShmHosts(1 + max_hosts, opts.host_shm_mib())
         self.workers: dict[Place, NetnsWorker] = {}
@@ -353,7 +362,7 @@ def run_fanout(opts: FanoutOptions, progress: Callable[[str], None] | None = Non
     plan: list[tuple[str, Shape, int, str]] = []
     for kind in opts.kinds:
         plan.append((kind, (1, 1), 1, "raw TCP, 1 stream"))
-        for shape in opts.shapes:
+        for shape in opts.shapes_of(kind):
             if "verl-nixl" in opts.transports:
                 plan.append((kind, shape, 1, "verl NIXL engine"))
             for tr in (t for t in opts.transports if t != "verl-nixl"):
@@ -408,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="the bench's quick preset")
     parser.add_argument("--shapes", help="HOSTSxRANKS,... e.g. 1x1,1x8,2x4")
+    parser.add_argument("--rank-shapes", help="the link per rank kind's shapes (default: --shapes)")
     parser.add_argument("--kinds", help="host,rank")
     parser.add_argument("--senders", help="e.g. 1,4")
     parser.add_argument("--transports", help=",".join(TRANSPORTS))
@@ -422,8 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
     opts = dataclasses.replace(QUICK if args.quick else FULL)
-    if args.shapes:
-        opts.shapes = tuple((int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(","))
+    for key in ("shapes", "rank_shapes"):
+        if getattr(args, key):
+            shapes = tuple(
+                (int(s.split("x")[0]), int(s.split("x")[1])) for s in getattr(args, key).split(",")
+            )
+            setattr(opts, key, shapes)
+    if args.shapes and not args.rank_shapes:
+        opts.rank_shapes = None
     for key, conv in (("kinds", str), ("senders", int), ("transports", str), ("hosts", str)):
         if getattr(args, key):
             setattr(opts, key, tuple(conv(v) for v in getattr(args, key).split(",")))
