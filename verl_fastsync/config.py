@@ -204,6 +204,7 @@ ENGINE_KEYS = (
     "align_experts",
     "senders",
     "delta",
+    "hosts",
 )
 """The keys of ``engine_kwargs.fastsync`` every engine transport accepts (a third-party transport may
 declare more through ``engine_options``, see :func:`verl_fastsync.hookspecs.weight_transport`)."""
@@ -293,8 +294,17 @@ class EngineSettings:
     delta: bool = False
     """Send each tensor as its difference from what was sent in the last sync
     (``engine_kwargs.fastsync.delta``; :mod:`verl_fastsync.delta.stream`)."""
+    hosts: str = "auto"
+    """``auto`` (default): one copy per host for transports that support it (``gloo``, ``nixl``):
+    one rank per rollout host receives across the network, hosts are chained, and each host's ranks
+    read what arrived from shared memory (:mod:`verl_fastsync.transports.hosts`). ``off``: every
+    rollout rank is its own destination across the network."""
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The selected transport's own declared options (``engine_options``), validated."""
+
+
+HOSTS_MODES = ("auto", "off")
+"""Allowed values of ``engine_kwargs.fastsync.hosts``."""
 
 
 OptionValidator = Callable[[str, Any], Any]
@@ -346,6 +356,16 @@ def parse_engine_settings(raw: Mapping[str, Any] | None, engine_options: EngineO
                 ) from None
     if "senders" in raw:
         values["senders"] = parse_senders(raw["senders"], f"{where}.senders")
+    if "hosts" in raw:
+        mode = str(raw["hosts"]).strip().lower() if isinstance(raw["hosts"], str) else raw["hosts"]
+        if mode is False:
+            mode = "off"  # YAML reads a bare off as false
+        if mode not in HOSTS_MODES:
+            raise EngineKwargsError(
+                f"{where}.hosts={raw['hosts']!r} is invalid; allowed: auto (one copy per host, the "
+                "default) or off (every rollout rank its own destination)"
+            )
+        values["hosts"] = mode
     if "device" in raw:
         device = raw["device"]
         if not isinstance(device, str) or not device.strip():

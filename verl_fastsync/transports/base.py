@@ -221,6 +221,10 @@ class EngineTransport(ABC):
     """An engine transport (one instance per process, reused across syncs)."""
 
     name: ClassVar[str] = "?"
+    one_copy_per_host: ClassVar[bool] = False
+    """Whether ``engine_kwargs.fastsync.hosts=auto`` runs this transport over the host structure
+    (:mod:`verl_fastsync.transports.hosts`): its groups connect across hosts and a rollout rank may
+    send (relay) in one. A third-party transport opts in by setting it."""
 
     def __init__(self, options: TransportOptions | None = None) -> None:
         self.options = options or TransportOptions()

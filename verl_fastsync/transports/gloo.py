@@ -95,9 +95,7 @@ _DEVICES = 2
 _PARTS = 4
 _MIN_PART = 1 << 20
 _MIN_WAIT_S = 0.01  # a zero timedelta means "no timeout" to Work.wait: never pass less than this
-# a blocked wait reads the abort channel this often (one store round trip per waiting rank); a wait
-# that ends sooner costs nothing (Work.wait returns the moment the broadcast completes)
-_POLL_S = 0.1
+_POLL_S = 0.1  # a blocked wait reads the abort channel this often (a broadcast that ends sooner: no cost)
 _CAUSE_GRACE_S = 0.5  # how long a rank that saw a connection close looks for its peer's cause
 _PREFIX = "fastsync-gloo"
 
@@ -115,6 +113,7 @@ class GlooTransport(BufferedTransport):
 
     name: ClassVar[str] = "gloo"
     prefetch: ClassVar[bool] = True
+    one_copy_per_host: ClassVar[bool] = True
     lends = True  # receive buffers are private: a slot whose buffer is on loan just takes another
 
     def __init__(self, options: Any = None) -> None:

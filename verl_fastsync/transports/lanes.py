@@ -126,8 +126,14 @@ def lanes_topology(
         lane_meta = [actor_meta[sender]["sender"]]
         for meta in rollout_meta:
             held = meta.get("lanes") or []
-            lane_meta.append(held[lane] if lane < len(held) else meta["fresh"])
-        lane_actor, lane_rollout = factory.build_topology(1, rollout_world_size, lane_meta)
+            # a lane this rank holds no transport of yet gets a fresh one's metadata (its endpoints
+            # closed again: it can only receive directly, which the hosts layer reads from "fresh")
+            lane_meta.append(held[lane] if lane < len(held) else dict(meta["fresh"], fresh=True))
+        build_lane = getattr(factory, "build_lane_topology", None)
+        if callable(build_lane):  # the hosts layer: each lane's chain enters at another host and rail
+            lane_actor, lane_rollout = build_lane(1, rollout_world_size, lane_meta, lane)
+        else:
+            lane_actor, lane_rollout = factory.build_topology(1, rollout_world_size, lane_meta)
         labels = rank_labels(rollout_world_size, sender=lane_label(sender, lane))
         lane_actor["rank_labels"] = [labels]
         lane_rollout["rank_labels"] = [labels] * rollout_world_size
@@ -381,6 +387,10 @@ class LanesTransport(EngineTransport):
             )
         who = f"{self.lanes[0].name} transport, rollout rank {self.rank - 1}"
         decode = self.decode_item
+        if decode is not None and all(hasattr(lane, "decode_item") for lane in self.lanes):
+            for transport in self.lanes:  # the hosts layer decodes on each host's leader (one base a host)
+                transport.decode_item = decode  # type: ignore[attr-defined]
+            decode = None
         tally = LaneTally(self.senders, who)
         streams = [_as_generator(transport.receive()) for transport in self.lanes]
         pending: dict[int, asyncio.Future[Any]] = {}

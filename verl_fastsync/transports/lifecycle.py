@@ -114,7 +114,8 @@ class TransportCore(EngineTransport):
         labels = kwargs.pop("rank_labels", None)
         self.rank_labels = (
             [str(label) for label in labels]
-            if isinstance(labels, list | tuple) and len(labels) == self.world_size
+            # a group of the hosts layer lists the whole fleet after its own ranks (relayed causes)
+            if isinstance(labels, list | tuple) and len(labels) >= self.world_size
             else rank_labels(max(self.world_size - 1, 0))
         )
         if self.rank < 0:

@@ -84,6 +84,7 @@ class NixlTransport(TcpControlledTransport):
     # some UCX transports, TCP among them, complete only while the target progresses).
     progress_poll_s: ClassVar[float | None] = 0.001
     lends = True
+    one_copy_per_host: ClassVar[bool] = True
     spares: ClassVar[int] = 2
     """Registered buckets a lending receiver keeps beside its two slots."""
 

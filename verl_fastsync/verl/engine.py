@@ -98,6 +98,7 @@ from verl_fastsync.transports.base import (
     TransportOptions,
     consumer_error,
 )
+from verl_fastsync.transports.hosts import HostsFactory, HostsTransport, supports_hosts
 from verl_fastsync.transports.lanes import LanesTransport, lanes_topology
 from verl_fastsync.transports.sending import SendingTransport, delta_flush_bytes, flush_every
 from verl_fastsync.verl.sizing import (
@@ -188,13 +189,18 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         )
         self.align_experts = settings.align_experts
         self.senders = settings.senders
+        # one copy per host where the transport crosses hosts (gloo, nixl): hosts=auto, the default
+        self.hosts = settings.hosts == "auto" and supports_hosts(self.factory)
         self.transport: EngineTransport
-        if self.senders == 1:
+        if self.senders == 1 and self.hosts:
+            self.transport = HostsTransport(self.factory, self.options, trainer=is_master is not None)
+        elif self.senders == 1:
             self.transport = self.factory(self.options)
         else:
             # verl passes is_master (True or False) to trainer engines only: a trainer rank prepares
             # as a potential sender, the topology picks who sends
-            self.transport = LanesTransport(self.factory, self.options, trainer=is_master is not None)
+            lanes = HostsFactory(self.factory) if self.hosts else self.factory
+            self.transport = LanesTransport(lanes, self.options, trainer=is_master is not None)
         self.delta = settings.delta
         self.delta_encoder: DeltaEncoder | None = None
         self.delta_decoder: DeltaDecoder | None = None
@@ -222,6 +228,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             "transport": self.transport_name,
             "is_master": self.is_master,
             "senders": "all" if self.senders is None else self.senders,
+            "hosts": self.hosts,
             "bucket_size": self.bucket_size,
             "free_bytes": free_memory_bytes(self._buffer_device()) if self.bucket_size is None else None,
             "model_bytes": self.model_bytes,
@@ -273,6 +280,11 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         if len(senders) != 1:
             raise ValueError(f"fastsync: ranks disagree on engine_kwargs.fastsync.senders: {sorted(senders)}")
         factory = _select_factory(str(names.pop()))
+        hosts = {bool(m.get("hosts")) for m in metadata}
+        if len(hosts) != 1:
+            raise ValueError("fastsync: ranks disagree on engine_kwargs.fastsync.hosts")
+        if hosts.pop():
+            factory = HostsFactory(factory)
         transport_meta = [m["transport_meta"] for m in metadata]
         lanes = 1
         if senders == {"1"}:
@@ -308,11 +320,15 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             sides = [(f"trainer rank {r}", metadata[r]["delta"]) for r in sending]
             sides += [(f"rollout rank {r}", m["delta"]) for r, m in enumerate(metadata[actor_world_size:])]
             epochs = {side.get("epoch") for _, side in sides}
-            # diff only when every sender and every receiver holds the same base; else a full sync
+            # diff only when every sender and every receiver holds the same base, made with the
+            # same hosts leading (one base per host lives on its leader); else a full sync
+            layout = _hosts_layout(rollout)
             against = epochs.pop() if len(epochs) == 1 else None
+            if against is not None and not against.endswith(f"@{layout}"):
+                against = None
             # a side with no room for its base turns delta off for everybody (each drops its base)
             off = next((f"{label}, {side['off']}" for label, side in sides if side.get("off")), None)
-            plan = [None if off else against, uuid.uuid4().hex, off]
+            plan = [None if off else against, f"{uuid.uuid4().hex}@{layout}", off]
             actor["delta_plan"] = [plan] * actor_world_size
             rollout["delta_plan"] = [plan] * rollout_world_size
         return actor, rollout
@@ -388,8 +404,9 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             rank = getattr(self.transport, "rank", "?")
             against, following, off = self._delta_plan
             decoder.begin(against, following, who=f"delta sync, rollout rank {rank}", off=off)
-            if isinstance(self.transport, LanesTransport):
-                self.transport.decode_item = decoder.decode  # before the lanes' exactly-once tally
+            if isinstance(self.transport, LanesTransport | HostsTransport):
+                # lanes: before their exactly-once tally; hosts: on each host's leader only
+                self.transport.decode_item = decoder.decode
             else:
                 decode = decoder.decode
         stream = self.transport.receive()
@@ -446,6 +463,17 @@ class FastsyncCheckpointEngine(CheckpointEngine):
                 "end of the weights; the sync was aborted on every rank (the rollout must load every "
                 "tensor it is sent)"
             )
+
+
+def _hosts_layout(rollout: dict[str, list[Any]]) -> str:
+    """Who leads which host, every lane (a delta base lives on the leaders: reused only while the
+    same ranks lead); "" without the hosts layer."""
+    found: list[Any] = list(rollout.get("hosts_plan", []))
+    for lanes in rollout.get("lane_kwargs", []):
+        found += [kw.get("hosts_plan") for kw in lanes or [] if isinstance(kw, dict)]
+    plans = [p for p in found if isinstance(p, dict)]
+    prints = sorted({str(p.get("fingerprint")) for p in plans})
+    return ",".join(prints)[:64] if prints else ""
 
 
 async def _as_generator(
