@@ -17,3 +17,10 @@ def peek(name: str) -> str | None:
             return fh.read()
     except FileNotFoundError:
         return None
+
+
+def whoami() -> list[str]:
+    import socket
+
+    host = socket.gethostname()
+    return [host, socket.gethostbyname(host)]

@@ -41,14 +41,19 @@ def _mounts() -> str:
 @needs_shm_hosts
 @pytest.mark.timeout(300)
 def test_ranks_of_one_host_share_its_dev_shm_and_no_other_hosts() -> None:
-    """Host 0's ranks in two network namespaces (link per rank) and in one (link per host) see each
-    other's file; host 1's rank and this machine do not, and host 1's file stays on host 1."""
+    """Host 0's ranks in two network namespaces (link per rank: one hostname, each resolving it to its
+    own link) and in one (link per host) see each other's file; host 1's rank and this machine do
+    not, and host 1's file stays on host 1."""
     marker = f"fanout-hosts-{os.getpid()}"
     with NamespaceStar(3, switch=True) as star, ShmHosts(2, 16) as hosts:
-        a = star.spawn(star.leaves[0], ENV, mount_ns=hosts.path(0))
-        b = star.spawn(star.leaves[1], ENV, mount_ns=hosts.path(0))  # same host, other netns
+        name = f"{star.prefix}-{star.token}-host0"
+        a = star.spawn(star.leaves[0], ENV, mount_ns=hosts.path(0), hostname=name)
+        b = star.spawn(star.leaves[1], ENV, mount_ns=hosts.path(0), hostname=name)  # same host, other netns
         a2 = star.spawn(star.leaves[0], ENV, mount_ns=hosts.path(0))  # same host, same netns
         c = star.spawn(star.leaves[2], ENV, mount_ns=hosts.path(1))  # another host
+        # one host's name, resolved by each rank to its own link's address (a NIC per GPU)
+        assert a.call(f"{HERE}:whoami", {}, CALL_S) == [name, star.leaves[0].addr]
+        assert b.call(f"{HERE}:whoami", {}, CALL_S) == [name, star.leaves[1].addr]
         a.call(f"{HERE}:put", {"name": marker, "text": "host 0"}, CALL_S)
         assert b.call(f"{HERE}:peek", {"name": marker}, CALL_S) == "host 0"
         assert a2.call(f"{HERE}:peek", {"name": marker}, CALL_S) == "host 0"

@@ -5,7 +5,8 @@
 Two host kinds. ``link per host`` (cloud VMs): a namespace per host, one link each; the host's
 ranks are processes in its namespace (trainer ranks too: with 4 senders the 4 trainer ranks share
 the trainer host's one link, as on one VM). ``link per rank`` (rail-optimized hosts, a NIC per GPU):
-a namespace per rank with its own link, trainer ranks included (4 senders = 4 rails). Every simulated
+a namespace per rank with its own link, trainer ranks included (4 senders = 4 rails); the ranks of one
+host share its hostname, each resolving it to its own link's address. Every simulated
 host, the trainer's included, has its own ``/dev/shm`` (:class:`~verl_fastsync.tools.netns_shm.ShmHosts`:
 a mount namespace per host, a ``tmpfs`` of ``shm_mib``), shared by that host's ranks only, whatever
 their network namespaces: the engine's hosts layer, which finds the ranks of one host by a file in
@@ -179,7 +180,10 @@ class _Fleet:
         if place not in self.workers:
             leaf = self.star.leaves[place[0]]
             env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": leaf.dev}
-            self.workers[place] = self.star.spawn(leaf, env, mount_ns=self.shm.path(place[2]))
+            # link per rank: the ranks of a host share its hostname, as on a real host with a NIC
+            # per GPU (each resolves it to its own link's address); link per host: the leaf's name
+            name = f"{self.star.prefix}-{self.star.token}-host{place[2]}" if self.kind == "rank" else None
+            self.workers[place] = self.star.spawn(leaf, env, mount_ns=self.shm.path(place[2]), hostname=name)
         return self.workers[place]
 
     def keep_only(self, places: set[Place]) -> None:
