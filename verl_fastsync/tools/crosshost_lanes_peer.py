@@ -15,13 +15,22 @@ _STATE: dict[str, Any] = {}
 
 
 def eng_new(
-    transport: str, senders: Any, trainer: bool, is_master: bool, bucket: int, timeout_s: float
+    transport: str,
+    senders: Any,
+    trainer: bool,
+    is_master: bool,
+    bucket: int,
+    timeout_s: float,
+    hosts: str | None = None,
 ) -> None:
-    """A fresh engine (verl passes ``is_master`` to trainer engines only)."""
+    """A fresh engine (verl passes ``is_master`` to trainer engines only); ``hosts``: the
+    ``engine_kwargs.fastsync.hosts`` key, passed only when given."""
     from verl_fastsync.verl.engine import FastsyncCheckpointEngine
 
     eng_close()
     kwargs: dict[str, Any] = {"transport": transport, "senders": senders, "timeout_s": timeout_s}
+    if hosts is not None:
+        kwargs["hosts"] = hosts
     if trainer:
         kwargs["is_master"] = is_master
     _STATE["engine"] = FastsyncCheckpointEngine(bucket_size=bucket, **kwargs)

@@ -5,8 +5,12 @@
 Two host kinds. ``link per host`` (cloud VMs): a namespace per host, one link each; the host's
 ranks are processes in its namespace (trainer ranks too: with 4 senders the 4 trainer ranks share
 the trainer host's one link, as on one VM). ``link per rank`` (rail-optimized hosts, a NIC per GPU):
-a namespace per rank with its own link, trainer ranks included (4 senders = 4 rails); the ranks of
-one host share ``/dev/shm`` (every namespace here does). Links are counted on the switch's side of
+a namespace per rank with its own link, trainer ranks included (4 senders = 4 rails); the ranks of one
+host share its hostname, each resolving it to its own link's address. Every simulated
+host, the trainer's included, has its own ``/dev/shm`` (:class:`~verl_fastsync.tools.netns_shm.ShmHosts`:
+a mount namespace per host, a ``tmpfs`` of ``shm_mib``), shared by that host's ranks only, whatever
+their network namespaces: the engine's hosts layer, which finds the ranks of one host by a file in
+``/dev/shm``, sees the hosts of the shape. Links are counted on the switch's side of
 each veth (receive = what the host sent, transmit = what reached it), over the timed syncs only,
 and reported as models per sync: per host, the sum of its links.
 
@@ -14,7 +18,9 @@ Rows, the same payload throughout (random bytes as ``bfloat16`` tensors; every t
 produces the same): per host kind the raw link (one TCP stream, trainer host -> rollout host 0),
 then per shape ``H x R`` verl's own ``NIXLCheckpointEngine`` (its chain, one sender:
 :mod:`verl_fastsync.tools.fanout_peer`) and the ``fastsync`` engine (``gloo``, ``nixl``; each
-``senders`` value, ``senders`` trainer ranks) driven through verl's engine protocol per sync
+``senders`` value, ``senders`` trainer ranks; each ``hosts`` value: ``default`` passes no
+``hosts`` key, i.e. what a user gets, ``auto`` / ``off`` pass ``engine_kwargs.fastsync.hosts``, rows
+"not available" where the engine has no such key) driven through verl's engine protocol per sync
 (prepare, build_topology, init_process_group, send_weights / receive_weights, finalize; the engine
 kept from sync to sync as in verl) by :mod:`verl_fastsync.tools.crosshost_lanes_peer`. A sync is
 timed from the first trainer rank starting to the last rollout rank holding every byte (copied
@@ -22,7 +28,8 @@ into its destination, checked by xxh3 digest on every sync, the untimed warm-up 
 the median of ``repeats`` syncs after that warm-up. ``busy`` = the busiest link's bytes / (link rate
 x seconds): near 1 the link is the limit, well below it something else is (the CPU, latency).
 
-Run ``python -m verl_fastsync.tools.fanout [--quick] [--shapes 1x1,1x8] [--kinds host,rank] ...``;
+Run ``python -m verl_fastsync.tools.fanout [--quick] [--shapes 1x1,1x8] [--kinds host,rank]
+[--hosts default,off] ...``;
 the bench calls :func:`bench_section`.
 """
 
@@ -41,7 +48,18 @@ from typing import Any
 
 from verl_fastsync.tools.crosshost_lanes import _both
 from verl_fastsync.tools.crosshost_peer import MIB
+from verl_fastsync.tools.fanout_rows import (
+    KINDS,
+    Shape,
+    fastsync_what,
+    fill_vs_1x1,
+    hosts_key_missing,
+    label,
+    parse_what,
+)
 from verl_fastsync.tools.netns import unavailable_reason
+from verl_fastsync.tools.netns_shm import ShmHosts
+from verl_fastsync.tools.netns_shm import unavailable_reason as shm_unavailable_reason
 from verl_fastsync.tools.netns_star import NamespaceStar
 from verl_fastsync.tools.netns_worker import NetnsWorker
 
@@ -50,91 +68,130 @@ __all__ = ["FULL", "KINDS", "QUICK", "FanoutOptions", "bench_section", "label", 
 _RAW = "verl_fastsync.tools.crosshost_peer"
 _ENG = "verl_fastsync.tools.crosshost_lanes_peer"
 _VERL = "verl_fastsync.tools.fanout_peer"
-KINDS = {"host": "link per host", "rank": "link per rank"}
-"""Host kinds: the short name (options, command line) -> the label in rows and tables."""
 TRANSPORTS = ("gloo", "nixl", "verl-nixl")
-Shape = tuple[int, int]
+HOSTS = ("default", "auto", "off")
+"""``hosts`` values of the fastsync rows: ``default`` passes no ``hosts`` key (the engine's default),
+``auto`` / ``off`` pass ``engine_kwargs.fastsync.hosts``."""
+Place = tuple[int, int, int]
+"""A worker's place: (leaf = its link's namespace, its index there, its host = its ``/dev/shm``)."""
 
 
 @dataclasses.dataclass
 class FanoutOptions:
     shapes: tuple[Shape, ...] = ((1, 1), (1, 8), (2, 4), (4, 2))
     """(rollout hosts, ranks per host); the first should be (1, 1): every row's "x 1x1" is against it."""
+    rank_shapes: tuple[Shape, ...] | None = None
+    """The shapes of the ``link per rank`` kind; ``None``: :attr:`shapes`."""
     kinds: tuple[str, ...] = ("host", "rank")
     senders: tuple[int, ...] = (1, 4)
     transports: tuple[str, ...] = TRANSPORTS
+    hosts: tuple[str, ...] = ("default", "off")
     payload_mib: int = 64
     bucket_mib: int = 8
     repeats: int = 3
     gbit: float = 2.0
     timeout_s: float = 300.0
+    shm_mib: int | None = None
+    """Each simulated host's ``/dev/shm`` in MiB; ``None``: the payload + 8 buckets per sender."""
+
+    def shapes_of(self, kind: str) -> tuple[Shape, ...]:
+        return self.rank_shapes if kind == "rank" and self.rank_shapes is not None else self.shapes
+
+    def host_shm_mib(self) -> int:
+        return self.shm_mib or self.payload_mib + 8 * self.bucket_mib * max(self.senders)
 
     def check(self) -> None:
-        for key in ("payload_mib", "bucket_mib", "repeats"):
+        for key in ("payload_mib", "bucket_mib", "repeats", "shm_mib"):
             value = getattr(self, key)
+            if key == "shm_mib" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive int, got {value!r}")
-        if not self.shapes or any(h < 1 or r < 1 for h, r in self.shapes):
-            raise ValueError(f"shapes must be (hosts, ranks per host) pairs >= 1, got {self.shapes!r}")
+        for key in ("shapes", "rank_shapes"):
+            shapes = getattr(self, key)
+            if (shapes is not None or key == "shapes") and (
+                not shapes or any(h < 1 or r < 1 for h, r in shapes)
+            ):
+                raise ValueError(f"{key} must be (hosts, ranks per host) pairs >= 1, got {shapes!r}")
         if not self.senders or any(k < 1 or k > 8 for k in self.senders):
             raise ValueError(f"senders must be ints in [1, 8], got {self.senders!r}")
-        for name, allowed in (("kinds", tuple(KINDS)), ("transports", TRANSPORTS)):
+        for name, allowed in (("kinds", tuple(KINDS)), ("transports", TRANSPORTS), ("hosts", HOSTS)):
             bad = [v for v in getattr(self, name) if v not in allowed]
             if bad or not getattr(self, name):
                 raise ValueError(f"{name} {bad or '()'}: allowed: {', '.join(allowed)}")
-        if "rank" in self.kinds and max(self.senders) + max(h * r for h, r in self.shapes) > 16:
+        if "rank" in self.kinds and max(self.senders) + max(h * r for h, r in self.shapes_of("rank")) > 16:
             raise ValueError("link per rank: senders + rollout ranks must be at most 16 (one namespace each)")
         if not 0 < self.gbit <= 400:
             raise ValueError(f"gbit must be in (0, 400] Gbit/s, got {self.gbit!r}")
 
 
 QUICK = FanoutOptions(
-    shapes=((1, 1), (1, 4), (2, 2)), kinds=("host",), senders=(1,), payload_mib=16, repeats=2, timeout_s=120.0
+    shapes=((1, 1), (1, 4), (2, 2)),
+    kinds=("host",),
+    senders=(1,),
+    hosts=("default",),
+    payload_mib=16,
+    repeats=2,
+    timeout_s=120.0,
 )
-FULL = FanoutOptions()
-
-
-def label(kind: str, shape: Shape, senders: int, what: str) -> str:
-    """A row's name, e.g. ``link per host 2x4, 1 sender: fastsync gloo``."""
-    plural = "" if senders == 1 else "s"
-    return f"{KINDS[kind]} {shape[0]}x{shape[1]}, {senders} sender{plural}: {what}"
+FULL = FanoutOptions(rank_shapes=((1, 1), (1, 4), (1, 8), (2, 4), (4, 2)))
 
 
 class _Fleet:
     """The switch and its hosts for one host kind, with workers made on first use and kept from
-    shape to shape (importing torch, NIXL and verl costs each process seconds)."""
+    shape to shape (importing torch, NIXL and verl costs each process seconds). Host 0 is the
+    trainer's, host ``1 + h`` rollout host ``h``; each has its own ``/dev/shm``. Use as a context
+    manager."""
 
     def __init__(self, kind: str, opts: FanoutOptions) -> None:
         self.kind, self.opts = kind, opts
         self.max_senders = max(opts.senders)
+        max_hosts = max(h for h, _ in opts.shapes_of(kind))
         if kind == "host":
-            leaves = 1 + max(h for h, _ in opts.shapes)
+            leaves = 1 + max_hosts
         else:
-            leaves = self.max_senders + max(h * r for h, r in opts.shapes)
+            leaves = self.max_senders + max(h * r for h, r in opts.shapes_of(kind))
         self.star = NamespaceStar(leaves, opts.gbit, switch=True)
-        self.workers: dict[tuple[int, int], NetnsWorker] = {}
+        self.shm = ShmHosts(1 + max_hosts, opts.host_shm_mib())
+        self.workers: dict[Place, NetnsWorker] = {}
 
-    def trainer_place(self, t: int) -> tuple[int, int]:
-        return (0, t) if self.kind == "host" else (t, 0)
+    def __enter__(self) -> _Fleet:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.star)
+            stack.enter_context(self.shm)
+            stack.pop_all()
+        return self
 
-    def rollout_place(self, shape: Shape, j: int) -> tuple[int, int]:
+    def __exit__(self, *exc: object) -> None:
+        self.drop()
+        self.star.close()  # its workers first: a host's tmpfs is freed when its last process leaves
+        self.shm.close()
+
+    def trainer_place(self, t: int) -> Place:
+        return (0, t, 0) if self.kind == "host" else (t, 0, 0)
+
+    def rollout_place(self, shape: Shape, j: int) -> Place:
+        host = 1 + j // shape[1]
         if self.kind == "host":
-            return 1 + j // shape[1], j % shape[1]
-        return self.max_senders + j, 0
+            return host, j % shape[1], host
+        return self.max_senders + j, 0, host
 
-    def worker(self, place: tuple[int, int]) -> NetnsWorker:
+    def worker(self, place: Place) -> NetnsWorker:
         if place not in self.workers:
             leaf = self.star.leaves[place[0]]
             env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": leaf.dev}
-            self.workers[place] = self.star.spawn(leaf, env)
+            # link per rank: the ranks of a host share its hostname, as on a real host with a NIC
+            # per GPU (each resolves it to its own link's address); link per host: the leaf's name
+            name = f"{self.star.prefix}-{self.star.token}-host{place[2]}" if self.kind == "rank" else None
+            self.workers[place] = self.star.spawn(leaf, env, mount_ns=self.shm.path(place[2]), hostname=name)
         return self.workers[place]
 
-    def keep_only(self, places: set[tuple[int, int]]) -> None:
+    def keep_only(self, places: set[Place]) -> None:
         """Stop the workers this shape does not use (bounds the processes alive at once)."""
         for place in [p for p in self.workers if p not in places]:
             self.drop(place)
 
-    def drop(self, place: tuple[int, int] | None = None) -> None:
+    def drop(self, place: Place | None = None) -> None:
         for p in [place] if place is not None else list(self.workers):
             worker = self.workers.pop(p)
             with contextlib.suppress(Exception):
@@ -161,7 +218,7 @@ def _links(
     ]
 
 
-def _sync_row(fleet: _Fleet, shape: Shape, senders: int, transport: str) -> dict[str, Any]:
+def _sync_row(fleet: _Fleet, shape: Shape, senders: int, transport: str, hosts: str) -> dict[str, Any]:
     opts = fleet.opts
     nbytes, bucket, t = opts.payload_mib * MIB, opts.bucket_mib * MIB, opts.timeout_s
     n_rollout = shape[0] * shape[1]
@@ -184,6 +241,8 @@ def _sync_row(fleet: _Fleet, shape: Shape, senders: int, transport: str) -> dict
         else:
             kw = {"transport": transport, "senders": "all" if senders > 1 else 1, "trainer": trainer,
                   "is_master": i == 0, "bucket": bucket, "timeout_s": t}  # fmt: skip
+            if hosts != "default":
+                kw["hosts"] = hosts
             calls.append((w, f"{_ENG}:eng_new", kw))
     _both(calls, 2 * t)
     seconds: list[float] = []
@@ -263,7 +322,7 @@ def _row(
     measure: Callable[[], dict[str, Any]],
 ) -> dict[str, Any]:
     opts = fleet.opts if fleet else QUICK
-    transport = {"raw TCP, 1 stream": "tcp", "verl NIXL engine": "nixl"}.get(what, what.rsplit(" ", 1)[-1])
+    transport = {"raw TCP, 1 stream": "tcp", "verl NIXL engine": "nixl"}.get(what) or parse_what(what)[0]
     row: dict[str, Any] = {
         "row": label(kind, shape, senders, what),
         "kind": "raw" if what.startswith("raw") else "verl" if what.startswith("verl") else "fastsync",
@@ -307,53 +366,44 @@ def run_fanout(opts: FanoutOptions, progress: Callable[[str], None] | None = Non
     plan: list[tuple[str, Shape, int, str]] = []
     for kind in opts.kinds:
         plan.append((kind, (1, 1), 1, "raw TCP, 1 stream"))
-        for shape in opts.shapes:
+        for shape in opts.shapes_of(kind):
             if "verl-nixl" in opts.transports:
                 plan.append((kind, shape, 1, "verl NIXL engine"))
             for tr in (t for t in opts.transports if t != "verl-nixl"):
-                plan += [(kind, shape, k, f"fastsync {tr}") for k in opts.senders]
-    reason = unavailable_reason()
-    if reason is not None:
+                plan += [(kind, shape, k, fastsync_what(tr, h)) for h in opts.hosts for k in opts.senders]
 
+    def not_available(k: str, s: Shape, n: int, w: str, why: str) -> dict[str, Any]:
         def na() -> dict[str, Any]:
             raise RuntimeError("unreachable")
 
-        rows = [_row(None, k, s, n, w, na) for k, s, n, w in plan]
-        for r in rows:
-            r["status"] = f"not available: network namespaces: {reason}"
-        return rows
+        return dict(_row(None, k, s, n, w, na), status=f"not available: {why}")
+
+    reason = unavailable_reason()
+    why = f"network namespaces: {reason}" if reason else None
+    if why is None and (reason := shm_unavailable_reason()) is not None:
+        why = f"a /dev/shm per simulated host: {reason}"
+    if why is not None:
+        return [not_available(*p, why) for p in plan]
+    no_key = {tr: hosts_key_missing(tr) for tr in opts.transports if tr != "verl-nixl"}
     rows = []
     for kind in opts.kinds:
-        fleet = _Fleet(kind, opts)
-        with fleet.star:
+        with _Fleet(kind, opts) as fleet:
             for k, shape, senders, what in (p for p in plan if p[0] == kind):
-                tr = "verl-nixl" if what.startswith("verl") else what.split()[-1]
+                tr, hosts = ("verl-nixl", "") if what.startswith("verl") else parse_what(what)
+                if hosts not in ("", "default") and no_key[tr]:
+                    rows.append(not_available(k, shape, senders, what, str(no_key[tr])))
+                    continue
                 measure: Callable[[], dict[str, Any]] = (
                     functools.partial(_raw_row, fleet)
                     if what.startswith("raw")
-                    else functools.partial(_sync_row, fleet, shape, senders, tr)
+                    else functools.partial(_sync_row, fleet, shape, senders, tr, hosts)
                 )
                 rows.append(_row(fleet, k, shape, senders, what, measure))
                 if progress is not None:
                     r = rows[-1]
                     progress(f"{r['row']}: {r['status']}, {r['seconds']} s, links {r['trainer_link_models']}")
-            fleet.drop()
-    _fill_vs_1x1(rows)
+    fill_vs_1x1(rows)
     return rows
-
-
-def _fill_vs_1x1(rows: list[dict[str, Any]]) -> None:
-    """``vs_1x1`` = the row's median seconds / the 1x1 row's of the same kind, senders and transport
-    (a time multiple: 1.0 = fan-out costs nothing)."""
-
-    def key(r: dict[str, Any]) -> tuple[str, int, str]:
-        return r["host_kind"], r["senders"], r["row"].split(": ", 1)[1]
-
-    ones = {key(r): r for r in rows if (r["hosts"], r["ranks_per_host"]) == (1, 1) and r["status"] == "ok"}
-    for r in rows:
-        one = ones.get(key(r))
-        if r["status"] == "ok" and one is not None and r["seconds"]:
-            r["vs_1x1"] = statistics.median(r["seconds"]) / statistics.median(one["seconds"])
 
 
 def bench_section(quick: bool) -> list[dict[str, Any]]:
@@ -364,27 +414,40 @@ def bench_section(quick: bool) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     from verl_fastsync.tools.bench.report import fanout_table
     from verl_fastsync.tools.bench.schema import fill_ratios, normalize_external
+    from verl_fastsync.tools.fanout_rows import markdown_tables
 
     parser = argparse.ArgumentParser(
         prog="python -m verl_fastsync.tools.fanout", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="the bench's quick preset")
     parser.add_argument("--shapes", help="HOSTSxRANKS,... e.g. 1x1,1x8,2x4")
+    parser.add_argument("--rank-shapes", help="the link per rank kind's shapes (default: --shapes)")
     parser.add_argument("--kinds", help="host,rank")
     parser.add_argument("--senders", help="e.g. 1,4")
     parser.add_argument("--transports", help=",".join(TRANSPORTS))
+    parser.add_argument("--hosts", help=f"{','.join(HOSTS)} (default passes no hosts key)")
     parser.add_argument("--payload-mib", type=int)
+    parser.add_argument("--bucket-mib", type=int)
+    parser.add_argument("--shm-mib", type=int, help="each simulated host's /dev/shm")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--gbit", type=float)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print docs/benchmarks.md's tables")
+    parser.add_argument("--save", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
     opts = dataclasses.replace(QUICK if args.quick else FULL)
-    if args.shapes:
-        opts.shapes = tuple((int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(","))
-    for key, conv in (("kinds", str), ("senders", int), ("transports", str)):
+    for key in ("shapes", "rank_shapes"):
+        if getattr(args, key):
+            shapes = tuple(
+                (int(s.split("x")[0]), int(s.split("x")[1])) for s in getattr(args, key).split(",")
+            )
+            setattr(opts, key, shapes)
+    if args.shapes and not args.rank_shapes:
+        opts.rank_shapes = None
+    for key, conv in (("kinds", str), ("senders", int), ("transports", str), ("hosts", str)):
         if getattr(args, key):
             setattr(opts, key, tuple(conv(v) for v in getattr(args, key).split(",")))
-    for key in ("payload_mib", "repeats", "gbit"):
+    for key in ("payload_mib", "bucket_mib", "shm_mib", "repeats", "gbit"):
         if getattr(args, key) is not None:
             setattr(opts, key, getattr(args, key))
     try:
@@ -394,7 +457,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     rows = [normalize_external(r, "fanout") for r in run_fanout(opts, lambda m: print(m, file=sys.stderr))]
     fill_ratios(rows)
-    print(json.dumps(rows, indent=1) if args.json else fanout_table(rows))
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    print(
+        json.dumps(rows, indent=1)
+        if args.json
+        else markdown_tables(rows)
+        if args.markdown
+        else fanout_table(rows)
+    )
     print(
         f"# {opts.payload_mib} MiB, {opts.gbit:g} Gbit/s links, {time.monotonic() - t0:.0f} s",
         file=sys.stderr,

@@ -125,12 +125,33 @@ class NamespaceStar:
             counts.append((int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])))
         return counts
 
-    def spawn(self, end: Endpoint, env: dict[str, str] | None = None) -> NetnsWorker:
+    def spawn(
+        self,
+        end: Endpoint,
+        env: dict[str, str] | None = None,
+        mount_ns: str | None = None,
+        hostname: str | None = None,
+    ) -> NetnsWorker:
+        """A worker in ``end``'s namespace (first in the mount namespace ``mount_ns``, if given), named
+        ``hostname`` (default ``end.hostname``; it is made to resolve to ``end``'s address there)."""
         if not self._open:
             raise RuntimeError("NamespaceStar.spawn before open()")
-        worker = NetnsWorker(end, env=env, start_timeout_s=180.0)
+        if hostname is not None and hostname != end.hostname:
+            self.add_name(end, hostname)
+        worker = NetnsWorker(end, env=env, start_timeout_s=180.0, mount_ns=mount_ns, hostname=hostname)
         self.workers.append(worker)
         return worker
+
+    def add_name(self, end: Endpoint, name: str) -> None:
+        """Make ``name`` resolve to ``end``'s address inside ``end``'s namespace (several namespaces
+        may share a name, each resolving it to its own link: the ranks of one host with a link
+        each)."""
+        path = os.path.join("/etc/netns", end.netns, "hosts")
+        with open(path) as fh:
+            known = fh.read().split()
+        if name not in known:
+            with open(path, "a") as fh:  # in place: a worker's bind-mounted /etc/hosts sees it
+                fh.write(f"{end.addr} {name}\n")
 
     def close(self) -> None:
         for worker in self.workers:

@@ -54,15 +54,26 @@ class NetnsWorker:
     """A Python process inside a namespace, driven over JSON lines (see the module docstring)."""
 
     def __init__(
-        self, end: Endpoint, env: dict[str, str] | None = None, start_timeout_s: float = 120.0
+        self,
+        end: Endpoint,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 120.0,
+        mount_ns: str | None = None,
+        hostname: str | None = None,
     ) -> None:
+        """``mount_ns``: a mount namespace file to enter first (a simulated host's own ``/dev/shm``,
+        :class:`~verl_fastsync.tools.netns_shm.ShmHosts`); ``ip netns exec`` copies its mounts.
+        ``hostname``: the worker's hostname (default ``end.hostname``; another name must resolve in
+        ``end``'s namespace too: :meth:`~verl_fastsync.tools.netns_star.NamespaceStar.add_name`)."""
         self.end = end
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env["PYTHONUNBUFFERED"] = "1"
         full_env["NETNS_NAME"] = end.netns
         cmd = ["ip", "netns", "exec", end.netns, sys.executable, "-m", "verl_fastsync.tools.netns_worker",
-               "--worker", end.hostname]  # fmt: skip
+               "--worker", hostname or end.hostname]  # fmt: skip
+        if mount_ns is not None:
+            cmd = ["nsenter", f"--mount={mount_ns}", *cmd]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,

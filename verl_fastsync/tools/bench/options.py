@@ -113,8 +113,9 @@ class BenchOptions:
 
 
 def full_options() -> BenchOptions:
-    """The ``--full`` preset: every figure of docs/benchmarks.md (about 35-40 minutes on a 2-core CPU
-    host, 25-30 of them in the fanout section)."""
+    """The ``--full`` preset: every figure of docs/benchmarks.md (about 55-60 minutes on a 2-core CPU
+    host, 40-45 of them in the fanout section: 83 rows, gloo and nixl with and without one copy per
+    host)."""
     return BenchOptions(
         models=("dense-small", "moe-small"),
         size_gib=0.25,
