@@ -23,7 +23,7 @@ from typing import Any
 
 from verl_fastsync.transports.base import EngineTransportFactory, TransportError, rank_labels
 
-__all__ = ["HOSTS_KEY", "chain_of_hosts", "hosts_fingerprint", "hosts_topology"]
+__all__ = ["HOSTS_KEY", "chain_of_hosts", "hosts_fingerprint", "hosts_layout", "hosts_topology"]
 
 HOSTS_KEY = "hosts"
 """The key of a rollout rank's host endpoints in its prepare metadata."""
@@ -138,3 +138,14 @@ def hosts_topology(
     for plan in plans:
         plan["fingerprint"] = fingerprint
     return actor, rollout
+
+
+def hosts_layout(rollout: dict[str, list[Any]]) -> str:
+    """Who leads which host, every lane (a delta base lives on the leaders: reused only while the
+    same ranks lead); "" without the hosts layer."""
+    found: list[Any] = list(rollout.get("hosts_plan", []))
+    for lanes in rollout.get("lane_kwargs", []):
+        found += [kw.get("hosts_plan") for kw in lanes or [] if isinstance(kw, dict)]
+    plans = [p for p in found if isinstance(p, dict)]
+    prints = sorted({str(p.get("fingerprint")) for p in plans})
+    return ",".join(prints)[:64] if prints else ""

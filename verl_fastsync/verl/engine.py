@@ -105,6 +105,7 @@ from verl_fastsync.transports.base import (
     consumer_error,
 )
 from verl_fastsync.transports.hosts import HostsFactory, HostsTransport, supports_hosts
+from verl_fastsync.transports.hosts_topology import hosts_layout
 from verl_fastsync.transports.lanes import LanesTransport, lanes_topology
 from verl_fastsync.transports.sending import SendingTransport, delta_flush_bytes, flush_every
 from verl_fastsync.verl.sizing import (
@@ -330,7 +331,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             epochs = {side.get("epoch") for _, side in sides}
             # diff only when every sender and every receiver holds the same base, made with the
             # same hosts leading (one base per host lives on its leader); else a full sync
-            layout = _hosts_layout(rollout)
+            layout = hosts_layout(rollout)
             against = epochs.pop() if len(epochs) == 1 else None
             if against is not None and not against.endswith(f"@{layout}"):
                 against = None
@@ -471,17 +472,6 @@ class FastsyncCheckpointEngine(CheckpointEngine):
                 "end of the weights; the sync was aborted on every rank (the rollout must load every "
                 "tensor it is sent)"
             )
-
-
-def _hosts_layout(rollout: dict[str, list[Any]]) -> str:
-    """Who leads which host, every lane (a delta base lives on the leaders: reused only while the
-    same ranks lead); "" without the hosts layer."""
-    found: list[Any] = list(rollout.get("hosts_plan", []))
-    for lanes in rollout.get("lane_kwargs", []):
-        found += [kw.get("hosts_plan") for kw in lanes or [] if isinstance(kw, dict)]
-    plans = [p for p in found if isinstance(p, dict)]
-    prints = sorted({str(p.get("fingerprint")) for p in plans})
-    return ",".join(prints)[:64] if prints else ""
 
 
 async def _as_generator(
