@@ -260,8 +260,7 @@ def test_a_relay_that_dies_mid_chain_is_named_on_every_rank() -> None:
 
 COUNT = """
 import os
-import threading
-result = (threading.active_count(), len(os.listdir("/proc/self/fd")))
+result = (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")))
 """
 
 
@@ -270,9 +269,9 @@ result = (threading.active_count(), len(os.listdir("/proc/self/fd")))
 @pytest.mark.timeout(1200)
 def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() -> None:
     """2 senders (gloo) to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
-    relaying lane 0, a reader of lane 1) and rank 1 hold the same number of threads and file
-    descriptors in both fleets: what a rank holds grows with the lanes, not with lanes x ranks (a
-    full-mesh gloo group per lane, kept between syncs, grew with every rank)."""
+    relaying lane 0, a reader of lane 1) and rank 1 hold the same number of threads and (up to two)
+    file descriptors in both fleets: what a rank holds grows with the lanes, not with lanes x ranks
+    (a full-mesh gloo group per lane, kept between syncs, grew with every rank)."""
     counts = []
     for hosts in (["h1", "h1", "h2", "h2"], ["h1", "h1", "h2", "h2", "h3", "h3"]):
         with _cluster("gloo", hosts, n_actor=2, senders=2) as cluster:
@@ -284,7 +283,10 @@ def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() ->
                 seen.append(cluster.wait(2 + rank))
             counts.append(seen)
     print("threads, fds of rollout ranks 0 and 1 at 4 and 6 rollout ranks:", counts)
-    assert counts[0] == counts[1], counts
+    for (threads, fds), (more_threads, more_fds) in zip(counts[0], counts[1], strict=True):
+        # a full mesh per lane adds a connection (and gloo's threads) per lane and rank: 2 x 2 here;
+        # a socket still closing may be counted once
+        assert more_threads == threads and more_fds <= fds + 2, counts
 
 
 def test_ranks_of_one_host_under_different_hostnames_share_memory(monkeypatch: pytest.MonkeyPatch) -> None:

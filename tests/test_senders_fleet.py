@@ -254,7 +254,8 @@ result = None
 
 
 def _cluster(transport: str, n_actor: int, n_rollout: int, **ctor: Any) -> Cluster:
-    base = {"bucket_size": 4096, "timeout_s": TIMEOUT_S, "senders": "all"}
+    # each lane a group of every rollout rank (hosts=off); lanes over the hosts: test_hosts.py
+    base = {"bucket_size": 4096, "timeout_s": TIMEOUT_S, "senders": "all", "hosts": "off"}
     return Cluster(transport, n_actor, n_rollout, mode="engine", ctor=base | ctor, timeout=4 * TIMEOUT_S)
 
 

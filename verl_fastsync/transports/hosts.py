@@ -246,6 +246,10 @@ class HostsTransport(EngineTransport):
             return
         exc = errors[failed[0]]
         assert exc is not None
+        for index in failed:
+            logger.warning(
+                "fastsync hosts: %s could not join its %s group: %r", me, groups[index][0], errors[index]
+            )
         if isinstance(exc, PeerAbortedError):
             reason = str(exc)
         else:

@@ -262,7 +262,11 @@ class LanesTransport(EngineTransport):
                 return exc
             return None
 
-        with ThreadPoolExecutor(max_workers=len(self.lanes), thread_name_prefix="fastsync-lanes") as pool:
+        # lanes over the hosts join one after the other, in lane order on every rank (no rank waits on
+        # a later lane of another): two lanes' shm groups joined at once between the same two ranks,
+        # in opposite directions, lost their connections in the handshake under load
+        workers = 1 if getattr(self.factory, "build_lane_topology", None) else len(self.lanes)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fastsync-lanes") as pool:
             errors = list(pool.map(join, range(len(self.lanes))))
         failed = [lane for lane, exc in enumerate(errors) if exc is not None]
         if not failed:
