@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from verl_fastsync.chunks import AlignSpec
+from verl_fastsync.chunks import AlignSpec, FlushBucket
 from verl_fastsync.io.hostid import host_identity
 from verl_fastsync.transports.base import (
     EngineTransport,
@@ -289,15 +289,23 @@ class HostsTransport(EngineTransport):
 
     # -- data --------------------------------------------------------------------------------
 
+    @property
+    def bucket_size(self) -> int:
+        """The sending rank's bucket size in this sync (0 before it joined)."""
+        return int(getattr(self.sender, "bucket_size", 0) or 0)
+
     async def send(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[tuple[str, torch.Tensor] | FlushBucket]
+        | AsyncIterable[tuple[str, torch.Tensor] | FlushBucket],
         *,
         align: AlignSpec = None,
     ) -> TransferStats:
+        """The sending trainer rank's hop to the first host (``FLUSH_BUCKET`` among the items posts
+        the open bucket, as with the built-in transports)."""
         if not self.trainer or self.sender is None:
             raise TransportError("fastsync hosts: send() on a rollout rank")
-        return await self.sender.send(named_tensors, align=align)
+        return await self.sender.send(named_tensors, align=align)  # type: ignore[arg-type]
 
     async def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.trainer or self.rank is None or self.rank < 1:

@@ -58,6 +58,7 @@ from verl_fastsync.transports.base import (
     failure_reason,
     rank_labels,
 )
+from verl_fastsync.transports.hosts import HostsTransport
 from verl_fastsync.transports.lanes_plan import (
     DESCRIPTIONS_NAME,
     MANIFEST_NAME,
@@ -332,13 +333,14 @@ class LanesTransport(EngineTransport):
         # quarter bucket of this share's model bytes (see delta_flush_bytes, FLUSH_BUCKET)
         every = (
             delta_flush_bytes(transport.bucket_size)
-            if encode is not None and isinstance(transport, SendingTransport)
+            if encode is not None and isinstance(transport, SendingTransport | HostsTransport)
             else 0
         )
 
         # the other lanes' bytes after which this lane's pending descriptions go out at once (a
         # rollout rank holds what it got until every sender described it; see lanes_plan)
-        describe_every = transport.bucket_size if isinstance(transport, SendingTransport) else 0
+        flushes = isinstance(transport, SendingTransport | HostsTransport)  # FLUSH_BUCKET among items
+        describe_every = int(getattr(transport, "bucket_size", 0)) if flushes else 0
 
         async def share() -> AsyncIterator[tuple[str, torch.Tensor] | FlushBucket]:
             since = foreign = 0
@@ -371,7 +373,7 @@ class LanesTransport(EngineTransport):
             extra[0], extra[1] = extra[0] + tensor_nbytes(manifest), extra[1] + 1
             yield MANIFEST_NAME, manifest
 
-        if isinstance(transport, SendingTransport):
+        if isinstance(transport, SendingTransport | HostsTransport):
             stats = await transport.send(share(), align=align)
         else:  # (which never flushes: ``every`` is 0)
             stats = await transport.send(cast(AsyncIterator[tuple[str, torch.Tensor]], share()), align=align)

@@ -382,7 +382,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             encoder.begin(against, following, off=off)
             if isinstance(self.transport, LanesTransport):
                 self.transport.encode_item = encoder.encode  # after the plan: each sender its share
-            elif isinstance(self.transport, SendingTransport):
+            elif isinstance(self.transport, SendingTransport | HostsTransport):
                 # a bucket goes out after each quarter bucket of model bytes: the receivers rebuild
                 # one part while this side encodes the next (deltas alone would fill few buckets)
                 delta = encoder.stats
@@ -390,7 +390,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
                 flushed = flush_every(encoder.stream(weights), every, lambda: delta.model_bytes)
             else:
                 weights = encoder.stream(weights)
-        if flushed is not None and isinstance(self.transport, SendingTransport):
+        if flushed is not None and isinstance(self.transport, SendingTransport | HostsTransport):
             stats = await self.transport.send(flushed, align=align)
         else:
             stats = await self.transport.send(weights, align=align)
