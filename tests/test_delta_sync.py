@@ -157,7 +157,8 @@ def test_a_rank_without_room_for_its_base_turns_delta_off_for_every_rank(tight: 
     label = "rollout rank 1, receiver" if tight == "rollout" else "trainer rank 1, sender"
     ranks = n_actor + 2
     with memory_cgroup(RESERVE_MIN + (6 << 20)) as (directory, _version):
-        with _cluster("gloo", n_actor=n_actor, bucket_size=1 << 20, **extra) as cluster:
+        # hosts=off: each rollout rank keeps its own base (over the hosts only a host's leader does)
+        with _cluster("gloo", n_actor=n_actor, bucket_size=1 << 20, hosts="off", **extra) as cluster:
             procs = os.path.join(directory, "cgroup.procs")
             join = f"import os\nwith open({procs!r}, 'w') as fh:\n    fh.write(str(os.getpid()))"
             cluster.post(index, "exec", join)

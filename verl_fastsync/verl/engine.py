@@ -333,7 +333,9 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             # same hosts leading (one base per host lives on its leader); else a full sync
             layout = hosts_layout(rollout)
             against = epochs.pop() if len(epochs) == 1 else None
-            if against is not None and not against.endswith(f"@{layout}"):
+            # every rank held a base last time (hosts off, a lane's direct first sync), or the same lead
+            before = against.rpartition("@")[2] if against is not None else None
+            if before not in (None, "", "direct", layout):
                 against = None
             # a side with no room for its base turns delta off for everybody (each drops its base)
             off = next((f"{label}, {side['off']}" for label, side in sides if side.get("off")), None)
