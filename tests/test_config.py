@@ -209,3 +209,14 @@ def test_shm_slots_default_and_override_and_only_for_shm() -> None:
     assert ShmTransport(TransportOptions()).slots == DEFAULT_SLOTS == 3
     with pytest.raises(ValueError, match=r"unknown engine_kwargs\.fastsync key\(s\) \['slots'\]"):
         selection.parse_engine_kwargs({"transport": "gloo", "slots": 3}, plugins.get_plugin_manager())
+
+
+def test_hosts_is_auto_or_off() -> None:
+    pm = plugins.get_plugin_manager()
+    assert selection.parse_engine_kwargs({"transport": "nixl"}, pm).hosts == "auto"
+    assert selection.parse_engine_kwargs({"transport": "gloo", "hosts": "OFF"}, pm).hosts == "off"
+    assert (
+        selection.parse_engine_kwargs({"transport": "gloo", "hosts": False}, pm).hosts == "off"
+    )  # YAML's off
+    with pytest.raises(config.EngineKwargsError, match=r"hosts='ring' is invalid; allowed: auto .* or off"):
+        selection.parse_engine_kwargs({"transport": "gloo", "hosts": "ring"}, pm)
