@@ -196,8 +196,9 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         )
         self.align_experts = settings.align_experts
         self.senders = settings.senders
-        # one copy per host where the transport crosses hosts (gloo, nixl): hosts=auto, the default
-        self.hosts = settings.hosts == "auto" and supports_hosts(self.factory)
+        # one copy per host (hosts=auto) for gloo and nixl; gloo's lanes stay direct (hosts.py)
+        gloo_lanes = transport == "gloo" and self.senders != 1
+        self.hosts = settings.hosts == "auto" and supports_hosts(self.factory) and not gloo_lanes
         self.transport: EngineTransport
         if self.senders == 1 and self.hosts:
             self.transport = HostsTransport(self.factory, self.options, trainer=is_master is not None)
@@ -305,8 +306,7 @@ class FastsyncCheckpointEngine(CheckpointEngine):
             lanes = len(actor["lane_senders"][0])
         sending = [r for r, lane in enumerate(actor.get("lane", [0])) if lane >= 0]
         participants = [(f"trainer rank {r}", metadata[r], 1) for r in sending]
-        # a rollout rank holds the buckets of every lane; over the hosts a leader holds three groups'
-        # (receive, relay onward, fan out in shared memory)
+        # a rollout rank holds the buckets of every lane; a hosts leader three groups' (in, on, fan out)
         held = lanes * (3 if isinstance(factory, HostsFactory) else 1)
         participants += [(f"rollout rank {j}", m, held) for j, m in enumerate(metadata[actor_world_size:])]
         sizes = {m.get("bucket_size") for _, m, _ in participants}
