@@ -28,7 +28,8 @@ RECEIVE = "from _verl_receive import verl_update_weights\nresult = verl_update_w
 
 
 def _cluster(transport: str, **ctor: Any) -> Cluster:
-    base = {"bucket_size": 4096, "timeout_s": TIMEOUT_S}
+    # the transports' own failure paths (hosts=off); over the hosts: test_hosts.py
+    base = {"bucket_size": 4096, "timeout_s": TIMEOUT_S, "hosts": "off"}
     return Cluster(transport, 1, 1, mode="engine", ctor=base | ctor, timeout=4 * TIMEOUT_S)
 
 
@@ -140,7 +141,7 @@ def test_nixl_abort_is_read_while_the_sender_waits_for_a_write_over_tcp() -> Non
     ``timeout_s``. Now it reads the Abort during the WRITE wait; the abandoned WRITE is settled before
     the next sync's ``Welcome``, whose bytes all arrive."""
     model = [TensorSpec(f"big{i}", (1 << 20,), "float32") for i in range(3)]  # 4 MiB each
-    ctor = {"bucket_size": 4 << 20, "timeout_s": TIMEOUT_S}
+    ctor = {"bucket_size": 4 << 20, "timeout_s": TIMEOUT_S, "hosts": "off"}
     env = {"UCX_TLS": "tcp,self"}
     with Cluster("nixl", 1, 1, mode="engine", ctor=ctor, timeout=4 * TIMEOUT_S, env=env) as cluster:
         cluster.build_process_group()
