@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ignore[import-not-found]
+from test_fleet_failures import DIE, RECEIVE, SEND  # type: ignore[import-not-found]
 
 from verl_fastsync.io.hostid import host_identity
 from verl_fastsync.transports.hosts_topology import chain_of_hosts
@@ -40,40 +41,6 @@ plans = [t.plan] if hasattr(t, "plan") else [lane.plan for lane in t.lanes]
 up = [getattr(lane.up, "last_stats", None) for lane in ([t] if hasattr(t, "plan") else t.lanes)]
 result = ([sorted(k for k in ("direct", "up", "down", "fanout", "local") if k in p) for p in plans],
           [None if s is None else s.bytes for s in up])
-"""
-
-RECEIVE = """
-import time
-from _verl_receive import verl_update_weights
-result = verl_update_weights(worker, **{kw})
-result["ended"] = time.time()
-"""
-
-SEND = """
-import time
-from _transport_harness import TensorSpec
-try:
-    result = {{"status": "ok", "value": worker.send({model!r}, {seed}, {extra!r})}}
-except Exception as exc:
-    result = {{"status": "err", "error": f"{{type(exc).__name__}}: {{exc}}"}}
-result["ended"] = time.time()
-"""
-
-DIE = """
-import os
-import _verl_receive
-
-
-async def dying(self, weights, **kwargs):
-    loaded = 0
-    async for _name, _tensor in weights:
-        loaded += 1
-        if loaded == 5:  # killed while loading its 5th tensor: no Abort, no reason
-            os._exit(17)
-
-
-_verl_receive.FailingAdapter.update_weights = dying
-_verl_receive.verl_update_weights(worker)
 """
 
 

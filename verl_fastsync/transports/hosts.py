@@ -255,15 +255,7 @@ class HostsTransport(EngineTransport):
             reason = str(exc)
         else:
             reason = f"{me} could not join its {groups[failed[0]][0]} group: {failure_reason(exc)}"
-        for index, (what, transport, _kwargs, _fleet) in enumerate(groups):
-            if errors[index] is not None:
-                continue
-            if what in ("down", "fanout"):
-                abort_sender(transport, reason)
-            else:
-                abort = getattr(transport, "abort_receive", None)
-                if callable(abort):
-                    abort(reason)
+        _abort_groups([g for g, error in zip(groups, errors, strict=True) if error is None], reason)
         raise TransportError(reason) from exc
 
     def finalize(self) -> None:
@@ -280,13 +272,7 @@ class HostsTransport(EngineTransport):
 
     def abort_receive(self, reason: str) -> None:
         """Fail this rank's part of the sync before its stream started: every group hears it."""
-        for what, transport, _kwargs, _fleet in self._groups(0):
-            if what in ("down", "fanout"):
-                abort_sender(transport, reason)
-            else:
-                abort = getattr(transport, "abort_receive", None)
-                if callable(abort):
-                    abort(reason)
+        _abort_groups(self._groups(0), reason)
 
     # -- data --------------------------------------------------------------------------------
 
@@ -358,3 +344,15 @@ class HostsTransport(EngineTransport):
                 raise
             del item
         self._stats = source.last_stats
+
+
+def _abort_groups(groups: list[tuple[str, EngineTransport, dict[str, Any], list[int]]], reason: str) -> None:
+    """Tell every group this rank joined that its sync failed: as the sender where it sends onward,
+    through its receive side elsewhere."""
+    for what, transport, _kwargs, _fleet in groups:
+        if what in ("down", "fanout"):
+            abort_sender(transport, reason)
+        else:
+            abort = getattr(transport, "abort_receive", None)
+            if callable(abort):
+                abort(reason)

@@ -193,8 +193,8 @@ class Relay:
                 waited: list[asyncio.Future[Any]] = [upcoming, *sends]
                 await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
                 self._check(sends)
-                if not upcoming.done():
-                    continue  # pragma: no cover - a send ended without an error before the end
+                if not upcoming.done():  # a send ended cleanly before its feed did: cannot happen
+                    raise TransportError("fastsync hosts: an onward send ended before the relay did")
                 from_up = True
                 try:
                     name, tensor = upcoming.result()
