@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ from _transport_harness import Cluster, TensorSpec
 
 from verl_fastsync.transports.base import TransportOptions, TransportTimeoutError
 from verl_fastsync.transports.gloo import GlooTransport
+from verl_fastsync.transports.gloo_abort import let_go_later
 
 TIMEOUT_S = 10
 MARGIN_S = 6  # process scheduling on a loaded 2-core host
@@ -112,3 +114,31 @@ def test_slot_works_share_one_deadline() -> None:
     # the old code took 2.4 s (and raised nothing); 1 s of slack for a loaded host
     assert elapsed <= timeout + 1.0, f"one slot took {elapsed:.2f}s with timeout_s={timeout}"
     assert works[1].timeouts and works[1].timeouts[0] <= timeout - 0.3, works[1].timeouts
+
+
+class _Recorder:
+    """Stands for a process group: its destructor records the thread it ran on."""
+
+    def __init__(self, ran_on: list[str]) -> None:
+        self.ran_on = ran_on
+
+    def __del__(self) -> None:
+        self.ran_on.append(threading.current_thread().name)
+
+
+@pytest.mark.timeout(120)
+def test_a_released_group_is_never_destroyed_on_the_callers_thread() -> None:
+    """gloo's group destructor joins its threads, which may wait out a broadcast: it must run on the
+    release thread, never on the caller's (the event loop's). Handing the object itself over raced:
+    a release thread that finished first left the caller's own reference as the last one (a sync's
+    cleanup then stalled for the op's whole timeout). 300 releases, each racing its thread."""
+    ran_on: list[str] = []
+    for _ in range(300):
+        let_go_later([_Recorder(ran_on)])
+    deadline = time.monotonic() + 60
+    while len(ran_on) < 300 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ran_on) == 300, f"{len(ran_on)} of 300 released"
+    assert set(ran_on) == {"fastsync-gloo-release"}, sorted(set(ran_on))
+    on_caller = [name for name in ran_on if name == threading.current_thread().name]
+    assert not on_caller, f"{len(on_caller)} of 300 destroyed on the caller's thread"

@@ -32,14 +32,18 @@ result = verl_update_weights(worker, **{kw})
 result["ended"] = time.time()
 """
 
+# a send still running after BOUND_S prints every thread's stack (shown with a failing test's output)
 SEND = """
-import time
+import faulthandler, time
 from _transport_harness import TensorSpec
+faulthandler.dump_traceback_later({bound})
 try:
     worker.send({specs!r}, {seed}, {extra!r})
     result = {{"status": "ok", "ended": time.time()}}
 except Exception as exc:
     result = {{"status": "err", "error": f"{{type(exc).__name__}}: {{exc}}", "ended": time.time()}}
+finally:
+    faulthandler.cancel_dump_traceback_later()
 """
 
 # what a failed side still holds a moment after its failure: threads still in the gloo transport's
@@ -76,7 +80,7 @@ def _start_sync(cluster: Cluster, seed: int, adapters: dict[int, dict[str, Any]]
     """Trainer rank 0 sends; harness rollout ``j`` (verl's rollout rank ``j``) runs verl's method
     with ``adapters.get(j)`` (``{"die": n}``: its process dies after ``n`` tensors instead)."""
     cluster.build_process_group()
-    cluster.post(0, "exec", SEND.format(specs=MODEL, seed=seed, extra={}))
+    cluster.post(0, "exec", SEND.format(bound=BOUND_S, specs=MODEL, seed=seed, extra={}))
     for j in range(cluster.n_rollout):
         adapter = adapters.get(j, {})
         if "die" in adapter:
@@ -175,7 +179,11 @@ def test_a_failed_receive_never_delays_process_exit() -> None:
     trainer, once its producer returns, fails with the rollout's cause."""
     with _cluster(1) as cluster:
         cluster.build_process_group()
-        cluster.post(0, "exec", SEND.format(specs=MODEL, seed=5, extra={"delay_s": {6: STALL_S}}))
+        cluster.post(
+            0,
+            "exec",
+            SEND.format(bound=STALL_S + BOUND_S, specs=MODEL, seed=5, extra={"delay_s": {6: STALL_S}}),
+        )
         cluster.post(1, "exec", RECEIVE.format(kw=repr({"fail_at": 4})))
         rollout = cluster.wait(1)
         assert rollout["status"] == "err" and rollout["error"].startswith("LoadError"), rollout

@@ -275,7 +275,8 @@ class GlooTransport(BufferedTransport):
         here and on the peers, and frees gloo's threads; a receive thread of this group stops at its
         next wait slice. The group's destructor joins gloo's threads: the last reference is still let
         go on a short-lived daemon thread, never on the caller's (the event loop's) thread."""
-        pg, self._pg = self._pg, None
+        held = [self._pg]  # the group's only reference from here on (see let_go_later)
+        self._pg = None
         self._key = None
         self._channel = None  # it holds the store (on a receiver, its connection to trainer rank 0)
         self._stop.set()
@@ -284,9 +285,8 @@ class GlooTransport(BufferedTransport):
             sockets.shutdown()
         except Exception:  # pragma: no cover - best effort: /proc unreadable
             pass
-        if pg is not None:
-            let_go_later(pg)
-            del pg
+        if held[0] is not None:
+            let_go_later(held)
 
     def _end_sync(self) -> None:
         """``finalize``: a sync that ended cleanly keeps the group, the store and the buffers for the
@@ -301,8 +301,10 @@ class GlooTransport(BufferedTransport):
         self._slot_works = [[], []]  # before the group: a work may be what keeps it alive
         self._keep = [[], []]
         self._drop_group()
-        store, self._store, server = self._store, None, bool(self._store_addr)
-        let_go_later(store, _CAUSE_GRACE_S if server else 0.0)  # the peers read a cause there a moment longer
+        server = bool(self._store_addr)
+        held, self._store = [self._store], None
+        if held[0] is not None:  # the peers read a cause there a moment longer
+            let_go_later(held, _CAUSE_GRACE_S if server else 0.0)
         self._store_addr = ""
         self._bufs = []
         self._drop_lending_pool()
@@ -317,11 +319,15 @@ class GlooTransport(BufferedTransport):
         timed_out = "imed out" in text or "timeout" in text.lower()
         # a closed connection is a symptom: the rank that closed it publishes its cause just before
         # (or, with several lanes closing at once, just after); a killed process never does
+        # (this side's own cause standing: its own closing failed this call, nothing more to find)
         deadline = time.monotonic() + (0.0 if timed_out else _CAUSE_GRACE_S)
-        while (aborted := self._published(channel or self._channel)) is None and time.monotonic() < deadline:
+        while True:
+            aborted, stands = self._read_cause(channel or self._channel)
+            if aborted is not None:
+                return aborted
+            if stands or time.monotonic() >= deadline:
+                break
             time.sleep(0.05)
-        if aborted is not None:
-            return aborted
         if timed_out:
             return self._timeout_error(peer, first)
         rank = self._sockets.rank_of(first)
@@ -333,8 +339,12 @@ class GlooTransport(BufferedTransport):
 
     def _published(self, channel: AbortChannel | None) -> TransportError | None:
         """The cause another rank published on the group's abort channel, as this side's error."""
+        return self._read_cause(channel)[0]
+
+    def _read_cause(self, channel: AbortChannel | None) -> tuple[TransportError | None, bool]:
+        """(:meth:`_published`, whether any cause stands: this side's own included)."""
         if channel is None:
-            return None
+            return None, False
         try:
             message = channel.read()
         except Exception as exc:  # the store lives in trainer rank 0's process
@@ -342,10 +352,10 @@ class GlooTransport(BufferedTransport):
                 f"{self.me}: lost {self.label(0)}: the group's store stopped answering "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 f"{self.inflight.describe()}"
-            )
+            ), False
         if message is None or message.rank == self.rank:
-            return None
-        return self._abort_error(self.label(message.rank), message.reason)
+            return None, message is not None
+        return self._abort_error(self.label(message.rank), message.reason), True
 
     def _broadcast(self, tensor: torch.Tensor, group: Any = None) -> Any:
         """Post one broadcast on ``group`` (default: the current one); gloo gives up on it

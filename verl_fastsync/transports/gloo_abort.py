@@ -195,17 +195,20 @@ class GroupSockets:
         return done
 
 
-def _let_go(group: Any, after_s: float) -> None:
+def _let_go(held: list[Any], after_s: float) -> None:
     time.sleep(after_s)
-    del group  # the last reference: the group's destructor (it joins gloo's threads) runs here
+    held.clear()  # the only reference: the destructor (a group's joins gloo's threads) runs here
 
 
-def let_go_later(group: Any, after_s: float = 0.0) -> None:
-    """Drop the caller's last reference to ``group`` (a process group or a store) ``after_s`` from now
-    on a short-lived daemon thread (``Thread.run`` deletes its arguments there), never on the caller's
-    (the event loop's) thread."""
-    if group is not None:
+def let_go_later(held: list[Any], after_s: float = 0.0) -> None:
+    """Destroy what ``held`` holds (a process group or a store: the caller's only reference, handed
+    over in a list so that no reference stays in the caller's frame) ``after_s`` from now, on a
+    short-lived daemon thread, never on the caller's (the event loop's) thread: a group's destructor
+    joins gloo's threads, which may wait out a broadcast. Passing the object itself would race: if
+    the thread finished first, the caller's own reference would be the last one, and the destructor
+    would run on the caller's thread after all."""
+    if held:
         thread = threading.Thread(
-            target=_let_go, args=(group, after_s), name="fastsync-gloo-release", daemon=True
+            target=_let_go, args=(held, after_s), name="fastsync-gloo-release", daemon=True
         )
         thread.start()
