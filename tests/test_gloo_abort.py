@@ -142,3 +142,41 @@ def test_a_released_group_is_never_destroyed_on_the_callers_thread() -> None:
     assert set(ran_on) == {"fastsync-gloo-release"}, sorted(set(ran_on))
     on_caller = [name for name in ran_on if name == threading.current_thread().name]
     assert not on_caller, f"{len(on_caller)} of 300 destroyed on the caller's thread"
+
+
+@pytest.mark.timeout(300)
+def test_two_groups_built_at_once_never_take_each_others_connections() -> None:
+    """The lanes of several senders build their groups at once between the same processes. Each
+    group's connections must be its own: 3 processes x 3 rounds, two groups built at the same moment
+    (a thread and a store each), the first group's connections shut down on every rank, then a
+    broadcast on the second must deliver every byte. Taking "the connections that appeared while the
+    group was built" put both groups' 8 connections in each group's list (measured: every round),
+    so cutting one group cut the other's."""
+    import multiprocessing as mp
+
+    from _gloo_groups_peer import main
+
+    ctx = mp.get_context("spawn")
+    port = 29000 + os.getpid() % 2000 * 2
+    pipes = [ctx.Pipe(duplex=False) for _ in range(3)]
+    procs = [ctx.Process(target=main, args=(rank, 3, port, pipes[rank][1])) for rank in range(3)]
+    for proc in procs:
+        proc.start()
+    try:
+        reports = []
+        for rank, (reader, _) in enumerate(pipes):
+            assert reader.poll(240), f"rank {rank} sent no report within 240 s"
+            reports.append(reader.recv())
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    for rank, report in enumerate(reports):
+        others = sorted(r for r in range(3) if r != rank for _ in range(2))  # two devices: two links a peer
+        for round_ in report["rounds"]:
+            assert round_["shared"] == 0, (rank, round_)
+            assert round_["peers"] == others, (rank, round_)
+            assert round_["first_links"] == 4 and round_["second_links"] == 4, (rank, round_)
+            assert round_["closed"] <= 4, (rank, round_)  # a peer's shutdown may close some first
+            assert round_["error"] == "" and round_["equal"], (rank, round_)

@@ -69,7 +69,7 @@ from verl_fastsync.transports.buffered import BufferedTransport
 from verl_fastsync.transports.gloo_abort import (
     AbortChannel,
     GroupSockets,
-    connected_sockets,
+    create_devices,
     join_barrier,
     let_go_later,
     publish_join_abort,
@@ -234,25 +234,20 @@ class GlooTransport(BufferedTransport):
             # two connections per peer and the payload broadcast in parts: gloo then moves the parts
             # on several threads/sockets at once (measured ~1.7x one 64 MiB broadcast on loopback)
             # across hosts each rank binds the address of its own host name (torch's default device)
-            opts._devices = [
-                dist.ProcessGroupGloo.create_device(hostname=host)
+            opts._devices, listeners = create_devices(
+                (lambda: dist.ProcessGroupGloo.create_device(hostname=host))
                 if host
-                else dist.ProcessGroupGloo.create_default_device()
-                for _ in range(_DEVICES)
-            ]
+                else dist.ProcessGroupGloo.create_default_device,
+                _DEVICES,
+            )
             opts._threads = 2 * _PARTS
-            before = connected_sockets()
+            sockets_key = f"{_PREFIX}-sockets/{epoch}"
+            GroupSockets.publish_listeners(self._store, sockets_key, rank, listeners)
             self._pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(f"{_PREFIX}/{epoch}", self._store), rank, self.world_size, opts
             )
-            opened = {fd: link for fd, link in connected_sockets().items() if before.get(fd) != link}
             self._sockets = GroupSockets.exchange(
-                self._store,
-                f"{_PREFIX}-sockets/{epoch}",
-                rank,
-                self.world_size,
-                opened,
-                self.options.timeout_s,
+                self._store, sockets_key, rank, self.world_size, listeners, self.options.timeout_s
             )
         except TransportError:
             raise

@@ -10,13 +10,19 @@ pieces here make up for it:
   ones are dropped). A failing rank publishes its cause before it closes its sockets, so a peer whose
   broadcast fails because of it finds the cause there; a rank blocked in a broadcast reads the key
   between short wait slices, so it learns of a failure it is not connected to directly.
-* :class:`GroupSockets`: the TCP connections of one group, found when it is built (the sockets the
-  build opened whose other end is in a peer's own list of such sockets, exchanged on the store, so an
-  unrelated connection opened by another thread meanwhile is never taken for one). Shutting them down
-  fails every operation posted on the group at once, on this side (its threads, buffers and sockets
-  are free within moments, the group's destructor no longer waits for a receive's timeout) and on
-  every peer connected to it (its broadcast fails with "Connection closed by peer": the kernel does
-  the same for a process that dies).
+* :class:`GroupSockets`: the TCP connections of one group. Each gloo device listens on one socket
+  of its own, and every connection of the group ends at a listener of one of its ranks: a
+  connection this rank accepted has one of its own listeners as its local end, one it opened has a
+  peer's listener as its far end. The listeners are known exactly (:func:`create_devices`: the
+  listening sockets a device creation added, under a process-wide lock) and exchanged on the store,
+  so a connection of another group, even one built at the same moment between the same processes
+  (the lanes of several senders), is never taken for one of this group's. (Taking "the connections
+  that appeared while the group was built" instead took the other group's too, every time when two
+  groups were built at once: shutting one group down then cut the other's connections.) Shutting
+  them down fails every operation posted on the group at once, on this side (its threads, buffers
+  and sockets are free within moments, the group's destructor no longer waits for a receive's
+  timeout) and on every peer connected to it (its broadcast fails with "Connection closed by peer":
+  the kernel does the same for a process that dies).
 
 A rank that cannot join a group at all never reaches gloo's rendezvous, where the others would wait
 out ``timeout_s``: every rank first passes :func:`join_barrier` (reading the channel between short
@@ -32,6 +38,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -42,6 +49,7 @@ __all__ = [
     "AbortChannel",
     "GroupSockets",
     "connected_sockets",
+    "create_devices",
     "join_barrier",
     "let_go_later",
     "publish_join_abort",
@@ -51,6 +59,9 @@ Endpoint = tuple[str, int]
 Link = tuple[Endpoint, Endpoint]  # (this side's address, the peer's address)
 
 _JOIN_POLL_S = 0.05  # a rank waiting for the others to join reads the abort channel this often
+_DEVICE_LOCK = threading.Lock()  # one device creation at a time per process: its listener is told apart
+_DEVICE_TRIES = 5  # a listener opened meanwhile by other code (not gloo's) makes a creation ambiguous
+_ANY = ("0.0.0.0", "::", "")
 _PEER = re.compile(r"\[([^\]]+)\]:(\d+)")
 
 
@@ -107,12 +118,13 @@ def _as_abort(raw: bytes) -> Abort | None:
 
 
 def _endpoint(address: Any) -> Endpoint:
-    return str(address[0]), int(address[1])
+    host = str(address[0])
+    return host.removeprefix("::ffff:") if "." in host else host, int(address[1])
 
 
-def connected_sockets() -> dict[int, Link]:
-    """This process's connected TCP sockets: fd -> (local address, peer address)."""
-    found: dict[int, Link] = {}
+def _tcp_sockets() -> dict[int, tuple[Endpoint, Endpoint | None]]:
+    """This process's TCP sockets: fd -> (local address, peer address; ``None``: listening)."""
+    found: dict[int, tuple[Endpoint, Endpoint | None]] = {}
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
@@ -122,7 +134,11 @@ def connected_sockets() -> dict[int, Link]:
         except OSError:
             continue  # closed meanwhile
         try:
-            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                found[fd] = (_endpoint(sock.getsockname()), None)
+            else:
                 found[fd] = (_endpoint(sock.getsockname()), _endpoint(sock.getpeername()))
         except OSError:
             pass  # not connected
@@ -131,34 +147,79 @@ def connected_sockets() -> dict[int, Link]:
     return found
 
 
+def connected_sockets() -> dict[int, Link]:
+    """This process's connected TCP sockets: fd -> (local address, peer address)."""
+    return {fd: (local, peer) for fd, (local, peer) in _tcp_sockets().items() if peer is not None}
+
+
+def _listeners() -> set[Endpoint]:
+    return {local for local, peer in _tcp_sockets().values() if peer is None}
+
+
+def create_devices(create: Callable[[], Any], count: int) -> tuple[list[Any], set[Endpoint]]:
+    """``count`` gloo devices made by ``create`` and the addresses they listen on (one each). Device
+    creations of this process take turns; when other code opened a listener meanwhile (more new
+    listeners than devices), the devices are made again, so the set holds gloo's listeners only."""
+    with _DEVICE_LOCK:
+        for _ in range(_DEVICE_TRIES):
+            before = _listeners()
+            devices = [create() for _ in range(count)]
+            added = _listeners() - before
+            if len(added) == count:
+                return devices, added
+            del devices  # their listeners close with them
+    raise RuntimeError(
+        f"gloo: could not tell this group's {count} listening sockets from others opened meanwhile "
+        f"({_DEVICE_TRIES} tries)"
+    )
+
+
+def _listener_of(end: Endpoint, owner: dict[Endpoint, int]) -> int | None:
+    """The rank whose listener ``end`` is (one bound to every address matches its port alone)."""
+    if end in owner:
+        return owner[end]
+    return next((r for (host, port), r in owner.items() if port == end[1] and host in _ANY), None)
+
+
 class GroupSockets:
     """The connections of one gloo group (see the module docstring), with the peer rank of each."""
 
     def __init__(self, links: dict[Link, int]) -> None:
         self.links = links
 
+    @staticmethod
+    def publish_listeners(store: Any, prefix: str, rank: int, listeners: set[Endpoint]) -> None:
+        """Publish this rank's listeners (:func:`create_devices`) before its group is built."""
+        store.set(f"{prefix}/listen/{rank}", json.dumps(sorted(listeners)))
+
     @classmethod
     def exchange(
-        cls,
-        store: Any,
-        prefix: str,
-        rank: int,
-        world_size: int,
-        opened: dict[int, Link],
-        timeout_s: float,
+        cls, store: Any, prefix: str, rank: int, world_size: int, listeners: set[Endpoint], timeout_s: float
     ) -> GroupSockets:
-        """``opened``: the connections that appeared while the group was built (maybe with others).
-        Publishes them under ``prefix/<rank>`` and keeps those a peer lists the other way round."""
-        store.set(f"{prefix}/{rank}", json.dumps([[*local, *peer] for local, peer in opened.values()]))
+        """Once the group is built: this rank's connections of the group, each with its peer rank.
+        One it opened ends at a peer's listener (which names the peer); one it accepted starts at one
+        of ``listeners`` and is named by the peer that lists it among the connections it opened."""
         peers = [r for r in range(world_size) if r != rank]
-        keys = [f"{prefix}/{r}" for r in peers]
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        mine = set(opened.values())
-        links: dict[Link, int] = {}
-        for peer, raw in zip(peers, store.multi_get(keys), strict=True):
+        wait = datetime.timedelta(seconds=timeout_s)
+        listen_keys = [f"{prefix}/listen/{r}" for r in peers]
+        store.wait(listen_keys, wait)
+        owner: dict[Endpoint, int] = {}
+        for peer, raw in zip(peers, store.multi_get(listen_keys), strict=True):
+            owner.update({(str(host), int(port)): peer for host, port in json.loads(bytes(raw))})
+        now = connected_sockets().values()
+        opened = {
+            link: owner_rank for link in now if (owner_rank := _listener_of(link[1], owner)) is not None
+        }
+        mine = dict.fromkeys(listeners, rank)
+        accepted = {link for link in now if _listener_of(link[0], mine) is not None}
+        store.set(f"{prefix}/opened/{rank}", json.dumps([[*local, *far] for local, far in opened]))
+        opened_keys = [f"{prefix}/opened/{r}" for r in peers]
+        store.wait(opened_keys, wait)
+        links = dict(opened)
+        for peer, raw in zip(peers, store.multi_get(opened_keys), strict=True):
             for lhost, lport, phost, pport in json.loads(bytes(raw)):
                 link = ((str(phost), int(pport)), (str(lhost), int(lport)))  # seen from this side
-                if link in mine:
+                if link in accepted:
                     links[link] = peer
         return cls(links)
 
