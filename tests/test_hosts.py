@@ -237,14 +237,15 @@ result = (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")))
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(1200)
-def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() -> None:
-    """2 senders (nixl) to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet(transport: str) -> None:
+    """2 senders to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
     relaying lane 0, a reader of lane 1) and rank 1 hold the same number of threads and (up to two)
     file descriptors in both fleets: what a rank holds grows with the lanes, not with lanes x ranks
     (a full-mesh group per lane, kept between syncs, grew with every rank)."""
     counts = []
     for hosts in (["h1", "h1", "h2", "h2"], ["h1", "h1", "h2", "h2", "h3", "h3"]):
-        with _cluster("nixl", hosts, n_actor=2, senders=2) as cluster:
+        with _cluster(transport, hosts, n_actor=2, senders=2) as cluster:
             for seed in range(3):
                 _check(cluster.sync(MODEL, seed), seed)
             seen = []
@@ -252,7 +253,7 @@ def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() ->
                 cluster.post(2 + rank, "exec", COUNT)
                 seen.append(cluster.wait(2 + rank))
             counts.append(seen)
-    print("threads, fds of rollout ranks 0 and 1 at 4 and 6 rollout ranks:", counts)
+    print(f"{transport}: threads, fds of rollout ranks 0 and 1 at 4 and 6 rollout ranks:", counts)
     for (threads, fds), (more_threads, more_fds) in zip(counts[0], counts[1], strict=True):
         # a full mesh per lane adds a connection (and gloo's threads) per lane and rank: 2 x 2 here;
         # a socket still closing may be counted once
