@@ -118,14 +118,11 @@ def test_each_host_receives_once_and_its_ranks_read_shared_memory(transport: str
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", ["gloo", "nixl"])
-def test_each_lane_enters_at_another_host_and_rail(transport: str) -> None:
-    """2 senders, 2 hosts x 2 ranks: the first sync of a new lane runs directly (the ranks hold no
-    endpoints of it yet), from the second on lane 0 is led by each host's first rank and lane 1 by
-    its second, entering at the other host; every byte arrives on every sync. gloo: the direct
-    groups of the first sync are let go while the lanes' chains are built, which cut the new
-    groups' connections when a group's sockets were taken by when they appeared."""
-    with _cluster(transport, ["h1", "h1", "h2", "h2"], n_actor=2, senders=2) as cluster:
+def test_each_lane_enters_at_another_host_and_rail() -> None:
+    """2 senders, 2 hosts x 2 ranks, nixl: the first sync of a new lane runs directly (the ranks hold
+    no endpoints of it yet), from the second on lane 0 is led by each host's first rank and lane 1 by
+    its second, entering at the other host; every byte arrives on every sync."""
+    with _cluster("nixl", ["h1", "h1", "h2", "h2"], n_actor=2, senders=2) as cluster:
         _check(cluster.sync(MODEL, 0), 0)
         assert all(r[0] == [["direct"], ["direct"]] for r in _roles(cluster))
         for seed in (1, 2):
@@ -237,15 +234,14 @@ result = (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")))
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("transport", ["gloo", "nixl"])
-def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet(transport: str) -> None:
-    """2 senders to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
+def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() -> None:
+    """2 senders (nixl) to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
     relaying lane 0, a reader of lane 1) and rank 1 hold the same number of threads and (up to two)
     file descriptors in both fleets: what a rank holds grows with the lanes, not with lanes x ranks
     (a full-mesh group per lane, kept between syncs, grew with every rank)."""
     counts = []
     for hosts in (["h1", "h1", "h2", "h2"], ["h1", "h1", "h2", "h2", "h3", "h3"]):
-        with _cluster(transport, hosts, n_actor=2, senders=2) as cluster:
+        with _cluster("nixl", hosts, n_actor=2, senders=2) as cluster:
             for seed in range(3):
                 _check(cluster.sync(MODEL, seed), seed)
             seen = []
@@ -253,7 +249,7 @@ def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet(tran
                 cluster.post(2 + rank, "exec", COUNT)
                 seen.append(cluster.wait(2 + rank))
             counts.append(seen)
-    print(f"{transport}: threads, fds of rollout ranks 0 and 1 at 4 and 6 rollout ranks:", counts)
+    print("threads, fds of rollout ranks 0 and 1 at 4 and 6 rollout ranks:", counts)
     for (threads, fds), (more_threads, more_fds) in zip(counts[0], counts[1], strict=True):
         # a full mesh per lane adds a connection (and gloo's threads) per lane and rank: 2 x 2 here;
         # a socket still closing may be counted once
