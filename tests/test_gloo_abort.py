@@ -180,3 +180,33 @@ def test_two_groups_built_at_once_never_take_each_others_connections() -> None:
             assert round_["first_links"] == 4 and round_["second_links"] == 4, (rank, round_)
             assert round_["closed"] <= 4, (rank, round_)  # a peer's shutdown may close some first
             assert round_["error"] == "" and round_["equal"], (rank, round_)
+
+
+def test_device_listeners_leave_out_a_listener_other_code_opened_meanwhile() -> None:
+    """A group's connections are told apart by its devices' listeners: another listener opened while
+    the devices were made (another transport's, on another thread) must not be taken for one of
+    them; the creation is redone and yields exactly the devices' own."""
+    import socket
+
+    import torch.distributed as dist
+
+    from verl_fastsync.transports.gloo_abort import create_devices
+
+    foreign: list[socket.socket] = []
+
+    def create() -> object:
+        if not foreign:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            foreign.append(sock)
+        return dist.ProcessGroupGloo.create_default_device()
+
+    try:
+        devices, listeners = create_devices(create, 2)
+        assert len(devices) == 2 and len(listeners) == 2, listeners
+        host, port = foreign[0].getsockname()[:2]
+        assert (host, port) not in listeners, (listeners, (host, port))
+    finally:
+        for sock in foreign:
+            sock.close()
