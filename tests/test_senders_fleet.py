@@ -306,6 +306,9 @@ def _verl_sync(
     """One sync, every rollout rank through verl's worker method: (trainer results, rollout results,
     seconds until every rank ended)."""
     cluster.build_process_group()
+    for i in range(cluster.n_actor + cluster.n_rollout):  # a rank still busy after PROMPT_S: its stacks
+        cluster.post(i, "exec", ARM.format(seconds=PROMPT_S))
+        cluster.wait(i)
     start = time.time()
     for i in range(cluster.n_actor):
         cluster.post(i, "send", MODEL, seed, {})
@@ -314,8 +317,16 @@ def _verl_sync(
     rollouts = [cluster.wait(i) for i in range(cluster.n_actor, cluster.n_actor + cluster.n_rollout)]
     trainers = [cluster.wait_result(i, timeout=3 * TIMEOUT_S) for i in range(cluster.n_actor)]
     seconds = time.time() - start
+    for i in range(cluster.n_actor + cluster.n_rollout):
+        cluster.post(i, "exec", DISARM)
+        cluster.wait(i)
     cluster.call_all("finalize")
     return trainers, rollouts, seconds
+
+
+# every thread's stack on stderr (shown with a failing test's output) if the sync still runs then
+ARM = "import faulthandler\nfaulthandler.dump_traceback_later({seconds})\nresult = None\n"
+DISARM = "import faulthandler\nfaulthandler.cancel_dump_traceback_later()\nresult = None\n"
 
 
 @pytest.mark.verl

@@ -8,9 +8,8 @@ group: verl's own default process group is never touched). Per bucket, rank 0 br
 flight while bucket ``k+1`` is packed into the other buffer (two bucket buffers per side). Receivers
 prefetch bucket ``k+1`` into their other buffer while their consumer handles bucket ``k``.
 
-When every rollout rank is on trainer rank 0's host the data path uses loopback; otherwise
-``options.host`` (default: the address of this host's name) is used. The store listens on the
-machine's interfaces for as long as the sender keeps it (see below).
+Across hosts the data path uses ``options.host`` (default: the address of this host's name); the
+store listens on the machine's interfaces while the sender keeps it (see below).
 
 **Lifetime: the store, the group and the bucket buffers live as long as the transport**, not one
 sync (building them cost 0.1-0.4 s per sync, as much as moving a 256 MiB bucket). ``finalize`` ends
@@ -45,8 +44,7 @@ in slices of 0.1 s and reads the channel between them. So one rank's failure end
 rank at once with the first cause (a rank that sees a connection close first looks for its peer's
 cause, up to half a second), a failed side frees its threads, sockets and buffers at once, and
 ``timeout_s`` is only for a peer gone silent.
-* Cost between syncs: two buckets per side (plus a lending receiver's spare), the group's idle
-  sockets and threads, the store.
+* Cost between syncs: two buckets per side (a lending receiver's spare too), the group, the store.
 
 Receivers lend (:mod:`verl_fastsync.io.lending`): a tensor carried whole in one chunk is a view into
 the receive buffer; a buffer the consumer still references stays with it while the slot takes a spare.
@@ -91,9 +89,7 @@ __all__ = ["GlooTransport"]
 _MAGIC = 0x46535943  # "FSYC"
 _KIND_BUCKET, _KIND_END, _KIND_ABORT = 1, 2, 3
 _HEADER = 5  # magic, version, kind, meta length, payload bytes
-_DEVICES = 2
-_PARTS = 4
-_MIN_PART = 1 << 20
+_DEVICES, _PARTS, _MIN_PART = 2, 4, 1 << 20
 _MIN_WAIT_S = 0.01  # a zero timedelta means "no timeout" to Work.wait: never pass less than this
 _POLL_S = 0.1  # a blocked wait reads the abort channel this often (a broadcast that ends sooner: no cost)
 _CAUSE_GRACE_S = 0.5  # how long a rank that saw a connection close looks for its peer's cause
@@ -314,7 +310,7 @@ class GlooTransport(BufferedTransport):
         timed_out = "imed out" in text or "timeout" in text.lower()
         # a closed connection is a symptom: the rank that closed it publishes its cause just before
         # (or, with several lanes closing at once, just after); a killed process never does
-        # (this side's own cause standing: its own closing failed this call, nothing more to find)
+        # (this side's own cause standing: its own closing failed this call)
         deadline = time.monotonic() + (0.0 if timed_out else _CAUSE_GRACE_S)
         while True:
             aborted, stands = self._read_cause(channel or self._channel)
@@ -333,11 +329,11 @@ class GlooTransport(BufferedTransport):
         )
 
     def _published(self, channel: AbortChannel | None) -> TransportError | None:
-        """The cause another rank published on the group's abort channel, as this side's error."""
         return self._read_cause(channel)[0]
 
     def _read_cause(self, channel: AbortChannel | None) -> tuple[TransportError | None, bool]:
-        """(:meth:`_published`, whether any cause stands: this side's own included)."""
+        """(The cause another rank published on the group's abort channel, as this side's error;
+        whether any cause stands, this side's own included)."""
         if channel is None:
             return None, False
         try:
