@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -30,8 +31,8 @@ def _build(
     out[tag] = (group, GroupSockets.exchange(store, f"sockets/{tag}", rank, world, listeners, 60))
 
 
-def main(rank: int, world: int, port: int, conn: Connection) -> None:
-    stores = [dist.TCPStore("127.0.0.1", port + k, None, rank == 0, TIMEOUT) for k in range(2)]
+def main(rank: int, world: int, ports: list[int], conn: Connection) -> None:
+    stores = [dist.TCPStore("127.0.0.1", port, None, rank == 0, TIMEOUT) for port in ports]
     report: dict[str, Any] = {"rounds": []}
     for round_ in range(3):
         out: dict[str, Any] = {}
@@ -49,11 +50,13 @@ def main(rank: int, world: int, port: int, conn: Connection) -> None:
         peers = sorted(first_sockets.links.values())
         first_links = len(first_sockets.links)
         # every rank cuts the first group before anyone uses the second
-        stores[0].add(f"cut/{round_}", 1)
         closed = first_sockets.shutdown()
-        stores[0].wait([f"cut/{round_}"], TIMEOUT)
+        stores[0].add(f"cut/{round_}", 1)
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
         while int(stores[0].add(f"cut/{round_}", 0)) < world:
-            pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"round {round_}: not every rank cut the first group")
+            time.sleep(0.01)
         tensor = (
             torch.arange(1 << 16, dtype=torch.int32) if rank == 0 else torch.zeros(1 << 16, dtype=torch.int32)
         )

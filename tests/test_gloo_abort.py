@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -157,9 +158,13 @@ def test_two_groups_built_at_once_never_take_each_others_connections() -> None:
     from _gloo_groups_peer import main
 
     ctx = mp.get_context("spawn")
-    port = 29000 + os.getpid() % 2000 * 2
+    ports = []
+    for _ in range(2):  # two free ports for the two stores (the OS picks them)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
     pipes = [ctx.Pipe(duplex=False) for _ in range(3)]
-    procs = [ctx.Process(target=main, args=(rank, 3, port, pipes[rank][1])) for rank in range(3)]
+    procs = [ctx.Process(target=main, args=(rank, 3, ports, pipes[rank][1])) for rank in range(3)]
     for proc in procs:
         proc.start()
     try:
@@ -186,8 +191,6 @@ def test_device_listeners_leave_out_a_listener_other_code_opened_meanwhile() -> 
     """A group's connections are told apart by its devices' listeners: another listener opened while
     the devices were made (another transport's, on another thread) must not be taken for one of
     them; the creation is redone and yields exactly the devices' own."""
-    import socket
-
     import torch.distributed as dist
 
     from verl_fastsync.transports.gloo_abort import create_devices
