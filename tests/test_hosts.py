@@ -20,6 +20,7 @@ from _transport_harness import Cluster, TensorSpec, expected_digests  # type: ig
 from test_fleet_failures import DIE, RECEIVE, SEND  # type: ignore[import-not-found]
 
 from verl_fastsync.io.hostid import host_identity
+from verl_fastsync.transports.hosts import CHAIN_BUCKET_FLOOR, chain_bucket
 from verl_fastsync.transports.hosts_topology import chain_of_hosts
 
 TIMEOUT_S = 60
@@ -76,6 +77,14 @@ def test_ranks_sharing_memory_form_a_host_and_lanes_rotate_leaders() -> None:
     assert chain_of_hosts([None, None], 0) == [[0], [1]]  # no identity: a host alone
 
 
+def test_the_hops_bucket_is_a_share_of_the_bucket_by_the_chains_length() -> None:
+    assert chain_bucket(64 << 20, 1) == 64 << 20  # one host: no hop relays
+    assert chain_bucket(64 << 20, 4) == 16 << 20
+    assert chain_bucket((64 << 20) + 1, 4) == (16 << 20) + 1  # rounded up: never more hops' buckets
+    assert chain_bucket(8 << 20, 8) == CHAIN_BUCKET_FLOOR == 2 << 20
+    assert chain_bucket(1 << 20, 8) == 1 << 20  # never above the bucket
+
+
 def test_host_identity_is_shared_exactly_by_processes_that_share_the_directory(tmp_path: Any) -> None:
     one, two = tmp_path / "host1", tmp_path / "host2"
     one.mkdir()
@@ -113,6 +122,69 @@ def test_each_host_receives_once_and_its_ranks_read_shared_memory(transport: str
         [["up"]],  # the chain's last host, alone
     ]
     assert [r[1] for r in roles] == [[MODEL_BYTES], [None], [MODEL_BYTES], [None], [MODEL_BYTES]]
+
+
+LOG_ARRIVALS = """
+import time
+t = worker.engine.transport
+t._make_sides()  # (made at the first prepare)
+receive, arrivals = t.up.receive, []
+t.arrivals = arrivals
+
+async def logged():
+    async for name, tensor in receive():
+        arrivals.append((name, time.monotonic()))
+        yield name, tensor
+
+t.up.receive = logged
+result = None
+"""
+
+SMALL_FLOOR = """
+import verl_fastsync.transports.hosts as hosts
+hosts.CHAIN_BUCKET_FLOOR = 1024
+result = None
+"""
+
+# larger than the 4 KiB bucket: 32 of them, and 8 whose last is short (bf16, a non-contiguous view)
+BIG = [
+    *MODEL[:2],
+    TensorSpec("experts.gate_up_proj", (32 * 1024,), "float32"),
+    *MODEL[2:4],
+    TensorSpec("lm_head", (150, 101), "bfloat16", noncontig=True),
+]
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_a_tensor_larger_than_the_bucket_goes_on_before_its_last_piece_arrived(transport: str) -> None:
+    """2 hosts (2 ranks, then 1), hop buckets of half the bucket: a tensor of 64 hop buckets reaches
+    the second host's leader before the first host's leader has received all of it (a hop costs one
+    hop bucket, not one tensor: the pieces in flight between the two are bounded by the buckets and
+    the relay's feed, far fewer than 64), and every rank, the one reading shared memory included,
+    gets every tensor exact."""
+    with _cluster(transport, ["h1", "h1", "h2"]) as cluster:
+        for rank in range(4):  # hop buckets of half the 4 KiB bucket (2 hosts), below the real floor
+            cluster.post(rank, "exec", SMALL_FLOOR)
+            cluster.wait(rank)
+        for rank in (0, 2):
+            cluster.post(1 + rank, "exec", LOG_ARRIVALS)
+            cluster.wait(1 + rank)
+        result = cluster.sync(BIG, 7)
+        want = sorted(expected_digests(BIG, 7, 0))
+        for rank, receiver in enumerate(result["receivers"]):
+            assert sorted(tuple(d) for d in receiver["digests"]) == want, rank
+        arrivals = []
+        for rank in (0, 2):
+            cluster.post(1 + rank, "exec", "result = worker.engine.transport.arrivals")
+            arrivals.append(cluster.wait(1 + rank))
+    big = [[(n, at) for n, at in log if n.endswith("] experts.gate_up_proj")] for log in arrivals]
+    assert [len(pieces) for pieces in big] == [64, 64], arrivals
+    assert big[0][0][0] == "[fastsync: bytes 0-2048 of 131072, float32[32768]] experts.gate_up_proj"
+    first_on_second_host, last_on_first_host = big[1][0][1], big[0][-1][1]
+    assert first_on_second_host < last_on_first_host, [at for _, at in big[0]] + [at for _, at in big[1]]
 
 
 @pytest.mark.verl

@@ -349,7 +349,8 @@ def test_trainer_ranks_that_disagree_fail_before_the_disputed_tensor(
     """2 senders x 4 rollout ranks through verl's ``update_weights``: trainer rank 1 yields tensor 5
     differently (a dtype or a shape for the same bytes, another size, two tensors swapped). Every
     rollout rank fails naming position 5, the field and both trainer ranks, and never loads tensor 5;
-    both trainer ranks fail with that cause, promptly; the next, agreeing sync is whole."""
+    every trainer rank still sending fails with that cause, promptly; the next, agreeing sync is
+    whole."""
     with shared(transport, 2, 4) as cluster:
         cluster.post(1, "exec", DISAGREE.format(change=change, at=5))
         cluster.wait(1)
@@ -360,8 +361,11 @@ def test_trainer_ranks_that_disagree_fail_before_the_disputed_tensor(
             assert f"at position 5 of the weights (the first difference, in its {field})" in error, error
             assert "trainer rank 0 (lane 0)" in error and "trainer rank 1 (lane 1)" in error, error
             assert MODEL[5].name not in result["names"], result["names"]
-        for status, error in trainers:
-            assert status == "err", error
+        # a sender whose share was all delivered before the rollout ranks compared may return (the
+        # documented decision, lanes.py: the rollout ranks fail, so verl's manager fails the step)
+        failed = [error for status, error in trainers if status == "err"]
+        assert failed, trainers
+        for error in failed:
             assert "disagree about what they send" in error, error
         assert seconds < PROMPT_S, f"the disagreement took {seconds:.1f}s to end every rank"
         cluster.post(1, "exec", RESTORE)

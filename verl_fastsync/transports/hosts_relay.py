@@ -1,6 +1,6 @@
 """A host leader's relay (:mod:`verl_fastsync.transports.hosts`): what arrives from upstream goes on to
-the next host (as it arrived: a delta stays encoded), to the host's other ranks through shared memory
-(decoded) and to this rank's own consumer, bucket by bucket.
+the next host as it arrived (a piece of a large tensor at once, a delta still encoded), to the host's
+other ranks through shared memory (whole, decoded) and to this rank's own consumer, bucket by bucket.
 
 The two onward sends run on threads of their own, each fed by a :class:`Feed` that holds at most a
 bounded number of bytes: the upstream stream is read as fast as the slowest of the three takes
@@ -35,6 +35,7 @@ from verl_fastsync.transports.base import (
     TransportError,
     failure_reason,
 )
+from verl_fastsync.transports.hosts_pieces import Pieces
 from verl_fastsync.transports.lanes_plan import is_reserved
 from verl_fastsync.wire import Abort
 
@@ -164,10 +165,13 @@ class Relay:
         device: str,
         feed_limit: int,
         timeout_s: float,
+        pieces: Pieces,
     ) -> None:
         self.up, self.onward, self.me = up, onward, me
+        self.pieces = pieces
         self.decode, self.device = decode, torch.device(device)
-        self.feeds = [Feed(feed_limit) for _ in onward]
+        # a feed holds two of its sender's buckets: the next host's hop buckets, the host's buckets
+        self.feeds = [Feed(max(feed_limit, 2 * _bucket_of(group.transport))) for group in onward]
         self.timeout_s = timeout_s
         self.stats: list[TransferStats | None] = [None] * len(onward)
 
@@ -200,10 +204,19 @@ class Relay:
                     name, tensor = upcoming.result()
                 except StopAsyncIteration:
                     upcoming = None
+                    self.pieces.finish()
                     break
                 from_up, upcoming = False, None
                 if self.onward and self.onward[0].what == "down":
-                    await self.feeds[0].put((name, tensor))  # onward as it came (a delta stays encoded)
+                    # onward as it came: a piece at once (a hop costs one bucket, not one tensor),
+                    # a delta still encoded
+                    await self.feeds[0].put((name, tensor))
+                whole = self.pieces.feed(name, tensor)
+                del tensor
+                if whole is None:
+                    continue
+                name, tensor = whole
+                del whole
                 if self.decode is not None and not is_reserved(name):
                     name, tensor = self.decode(name, tensor)
                 for group, feed in zip(self.onward, self.feeds, strict=True):
@@ -278,6 +291,10 @@ class Relay:
         for send in sends:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(send), self.timeout_s)
+
+
+def _bucket_of(transport: EngineTransport) -> int:
+    return int(getattr(transport, "bucket_size", 0) or 0)
 
 
 def _run_send(transport: EngineTransport, feed: Feed) -> TransferStats:

@@ -113,7 +113,11 @@ def hosts_topology(
     a_kw, r_kw = factory.build_topology(actor_world_size, 1, [*actor_meta, hosts[leaders[0]]["up"]])
     for index in range(actor_world_size):
         actor["rank"][index] = a_kw["rank"][index]
-        actor["hosts_plan"][index] = {"down": _one(a_kw, index), "down_fleet": [0, leaders[0] + 1]}
+        actor["hosts_plan"][index] = {
+            "down": _one(a_kw, index),
+            "down_fleet": [0, leaders[0] + 1],
+            "chain": len(chain),
+        }
     plans = rollout["hosts_plan"]
     plans[leaders[0]].update(up=_one(r_kw, 0), up_fleet=[0, leaders[0] + 1])
     for hop in range(1, len(leaders)):
@@ -137,6 +141,7 @@ def hosts_topology(
             plans[member].update(local=_one(r_kw, index), local_fleet=fleet)
     for plan in plans:
         plan["fingerprint"] = fingerprint
+        plan["chain"] = len(chain)  # the hops' bucket follows the chain's length (hosts.chain_bucket)
     return actor, rollout
 
 
