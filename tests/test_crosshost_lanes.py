@@ -4,9 +4,11 @@ nothing is left behind."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from verl_fastsync.tools.crosshost_lanes import LanesOptions, format_lanes, run_lanes
+from verl_fastsync.tools.crosshost_lanes import LanesOptions, _both, format_lanes, run_lanes
 from verl_fastsync.tools.crosshost_peer import MIB
 from verl_fastsync.tools.netns import list_netns, unavailable_reason
 from verl_fastsync.tools.netns_star import NamespaceStar
@@ -51,3 +53,39 @@ def test_each_sender_crosses_its_own_link_and_every_byte_arrives() -> None:
     assert min(two) >= min(rows[2]["bytes_per_link"]) and max(two) < nbytes
     assert rows[1]["speedup"] == 1.0
     assert "gloo" in format_lanes(result)
+
+
+class _Worker:
+    """A bench worker whose one call ends as ``outcome`` (this test drives _both's waiting only)."""
+
+    def __init__(self, outcome: Any, waited: list[int], index: int) -> None:
+        self.outcome, self.waited, self.index = outcome, waited, index
+
+    def submit(self, fn: str, kwargs: dict[str, Any]) -> int:
+        return self.index
+
+    def result(self, call: int, timeout_s: float) -> Any:
+        self.waited.append(call)
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+def test_a_failed_row_names_every_rank_that_failed_not_only_the_first_in_order() -> None:
+    waited: list[int] = []
+    ranks = [
+        _Worker(RuntimeError("trainer rank 0: timed out waiting for every rank to join"), waited, 0),
+        _Worker({"ok": 1}, waited, 1),
+        _Worker(ValueError("rollout rank 1: Failed to recv, got 0 bytes\ntraceback..."), waited, 2),
+    ]
+    with pytest.raises(RuntimeError) as caught:
+        _both([(w, "peer:fn", {}) for w in ranks], 1.0)  # type: ignore[misc]
+    assert str(caught.value) == (
+        "2 of 3 calls failed: call 0: RuntimeError: trainer rank 0: timed out waiting for every rank "
+        "to join | call 2: ValueError: rollout rank 1: Failed to recv, got 0 bytes"
+    )
+    assert waited == [0, 1, 2]  # every call waited for
+    one = [_Worker({"ok": 1}, [], 0), _Worker(KeyError("only"), [], 1)]
+    with pytest.raises(KeyError, match="only"):  # one failure: raised as it is
+        _both([(w, "peer:fn", {}) for w in one], 1.0)  # type: ignore[misc]
+    assert _both([(w, "peer:fn", {}) for w in one[:1]], 1.0) == [{"ok": 1}]  # type: ignore[misc]

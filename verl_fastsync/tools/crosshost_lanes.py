@@ -46,8 +46,29 @@ class LanesOptions:
 
 
 def _both(pairs: list[tuple[NetnsWorker, str, dict[str, Any]]], timeout_s: float) -> list[Any]:
+    """Every call's result, in order. When calls fail, every call is still waited for (each ends
+    within its own timeout) and the error names each failed call by its position: the first one in
+    order is often a rank that only waited for the rank that failed first."""
     ids = [(w, w.submit(fn, kw)) for w, fn, kw in pairs]
-    return [w.result(i, timeout_s) for w, i in ids]
+    results: list[Any] = []
+    failed: list[tuple[int, Exception]] = []
+    for index, (w, i) in enumerate(ids):
+        try:
+            results.append(w.result(i, timeout_s))
+        except Exception as exc:
+            failed.append((index, exc))
+    if len(failed) == 1:
+        raise failed[0][1]
+    if failed:
+        parts = [f"call {index}: {type(exc).__name__}: {_first_line(exc)}"[:300] for index, exc in failed]
+        summary = f"{len(failed)} of {len(pairs)} calls failed: " + " | ".join(parts)
+        raise RuntimeError(summary) from failed[0][1]
+    return results
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
 
 
 def _raw(a: NetnsWorker, b: NetnsWorker, star: NamespaceStar, opts: LanesOptions) -> dict[str, float]:

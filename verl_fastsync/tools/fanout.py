@@ -353,7 +353,7 @@ def _row(
         row.update(measure())
     except Exception as exc:
         text = str(exc).splitlines()[0] if str(exc) else ""
-        row["status"] = f"error: {type(exc).__name__}: {text}"[:400]
+        row["status"] = f"error: {type(exc).__name__}: {text}"[:2000]  # every failed rank (_both)
         if fleet is not None:
             fleet.drop()  # a failed row may leave workers mid-protocol: the next row starts fresh ones
     if row["status"] == "ok" and row["seconds"]:
