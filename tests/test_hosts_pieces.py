@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from verl_fastsync.chunks import FLUSH_BUCKET, DuplicateTensorError, byte_view
+from verl_fastsync.io.lending import DestinationPool
 from verl_fastsync.transports.base import TransportError
 from verl_fastsync.transports.hosts_pieces import PIECE_PREFIX, Pieces, piece_name, split_pieces
 
@@ -168,3 +169,26 @@ def test_a_reserved_or_repeated_name_is_refused_at_the_sender() -> None:
         _split(iter([("w", torch.ones(100)), ("w", torch.ones(100))]))
     with pytest.raises(TypeError, match=r"not a torch\.Tensor"):
         _split(iter([("w", [1.0, 2.0])]))
+
+
+def test_assembled_tensors_reuse_host_memory_the_consumer_let_go_and_never_memory_it_holds() -> None:
+    """Through a transport's DestinationPool: a tensor the consumer dropped gives its memory to the
+    next one (no fresh allocation, no page faults, per large tensor per sync); one it still holds is
+    never written."""
+    pool = DestinationPool()
+    pieces = Pieces("rollout rank 0", pool.allocate)
+
+    def receive(name: str, value: float) -> torch.Tensor:
+        whole = None
+        for piece_item in _split(iter([(name, torch.full((100,), value))]))[0]:
+            whole = pieces.feed(*piece_item)
+        assert whole is not None
+        return whole[1]
+
+    held = receive("a", 1.0)
+    dropped = receive("b", 2.0)
+    del dropped
+    receive("c", 3.0)
+    receive("d", 4.0)
+    assert torch.equal(held, torch.full((100,), 1.0))  # the consumer's tensor was never reused
+    assert pool.made == 2  # "a" (held) and "b", whose memory "c" and then "d" reused

@@ -52,6 +52,7 @@ import torch
 
 from verl_fastsync.chunks import AlignSpec, FlushBucket
 from verl_fastsync.io.hostid import host_identity
+from verl_fastsync.io.lending import DestinationPool
 from verl_fastsync.transports.base import (
     EngineTransport,
     EngineTransportFactory,
@@ -150,6 +151,8 @@ class HostsTransport(EngineTransport):
         """Who leads which host in this sync (delta keeps a base per host while it is the same)."""
         self._labels: list[str] = []
         self._stats: TransferStats | None = None
+        self._destinations = DestinationPool()
+        """Host memory of tensors put back together from pieces (reused once the consumer let go)."""
 
     @property
     def inner_name(self) -> str:
@@ -329,6 +332,7 @@ class HostsTransport(EngineTransport):
             raise TransportError(f"fastsync hosts: receive() on rank {self.rank}; only rollout ranks receive")
         self._stats = None
         plan = self.plan
+        pieces: Pieces | None
         if "up" in plan and self.up is not None:
             onward = []
             if "down" in plan and self.relay is not None:
@@ -338,8 +342,7 @@ class HostsTransport(EngineTransport):
             up = Group(self.up, [int(f) for f in plan["up_fleet"]], "up")
             size = getattr(self.up, "bucket_size", 0) or 1
             options = self.options
-            pieces: Pieces | None = Pieces(self._me())
-            assert pieces is not None
+            pieces = Pieces(self._me(), self._destinations.allocate)
             relay = Relay(
                 up, onward, self.rank, self.decode_item, options.device, 2 * size, options.timeout_s, pieces
             )
@@ -355,7 +358,7 @@ class HostsTransport(EngineTransport):
             stream = source.receive()  # type: ignore[assignment]
             decode = self.decode_item if direct else None
             # pieces come from the trainer; the leader's fan-out sends tensors whole
-            pieces = assemble = Pieces(self._me()) if direct else None
+            pieces = assemble = Pieces(self._me(), self._destinations.allocate) if direct else None
         async for name, tensor in stream:
             if assemble is not None:
                 try:

@@ -26,6 +26,7 @@ import torch
 
 from verl_fastsync.chunks import (
     FLUSH_BUCKET,
+    Allocate,
     DuplicateTensorError,
     FlushBucket,
     byte_view,
@@ -101,9 +102,11 @@ async def split_pieces(
 class _Open:
     __slots__ = ("dtype", "filled", "name", "shape", "target", "tensor", "total")
 
-    def __init__(self, who: str, name: str, total: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def __init__(
+        self, who: str, name: str, total: int, dtype: torch.dtype, shape: tuple[int, ...], allocate: Allocate
+    ) -> None:
         self.name, self.total, self.dtype, self.shape = name, total, dtype, shape
-        self.tensor = torch.empty(shape, dtype=dtype)
+        self.tensor = allocate(shape, dtype, torch.device("cpu"))
         self.target = byte_view(self.tensor)
         if self.target.numel() != total:
             raise TransportError(
@@ -116,10 +119,13 @@ class _Open:
 class Pieces:
     """Puts pieces back together on a receiving rank: :meth:`feed` each item as it arrived; it
     returns the item to hand on (a whole tensor, or one completed by its last piece, in host memory
-    of its own) or ``None`` while a tensor still misses pieces."""
+    of its own, from ``allocate``: a transport's :class:`~verl_fastsync.io.lending.DestinationPool`
+    reuses the memory of such tensors once the consumer dropped them) or ``None`` while a tensor
+    still misses pieces."""
 
-    def __init__(self, who: str) -> None:
+    def __init__(self, who: str, allocate: Allocate | None = None) -> None:
         self.who = who
+        self._allocate: Allocate = allocate or (lambda shape, dtype, device: torch.empty(shape, dtype=dtype))
         self.tensors = 0
         """Items handed on (the tensors of the sync as the sender's producer yielded them)."""
         self._open: _Open | None = None
@@ -147,7 +153,7 @@ class Pieces:
                 raise TransportError(
                     f"{self.who}: the pieces of {real!r} name an unknown dtype {dtype_name!r}"
                 ) from exc
-            piece = self._open = _Open(self.who, real, total, dtype, shape)
+            piece = self._open = _Open(self.who, real, total, dtype, shape, self._allocate)
         elif real != piece.name or start != piece.filled or total != piece.total:
             raise self._broken(f"bytes {start}-{end} of {total} of {real!r} arrived")
         data = tensor if tensor.dtype == torch.uint8 else byte_view(tensor)
