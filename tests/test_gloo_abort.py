@@ -213,3 +213,39 @@ def test_device_listeners_leave_out_a_listener_other_code_opened_meanwhile() -> 
     finally:
         for sock in foreign:
             sock.close()
+
+
+def test_a_closed_connections_number_taken_by_another_groups_socket_is_never_shut_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group's shutdown lists this process's connections, then shuts each of its own down. Between
+    the two, gloo may close one of them (its peer shut the other end first) and the kernel hands the
+    same number, the lowest free one, to a connection of the group the process builds next. Shutting
+    that number down cut the new group's connection: gloo lanes over the hosts, 4 hosts x 2 ranks,
+    failed 3 of 3 builds with "Failed to recv, got 0 bytes". The listing is taken here just before
+    the old connection closes and its number is reused; the new connection must carry on."""
+    from verl_fastsync.transports import gloo_abort
+    from verl_fastsync.transports.gloo_abort import GroupSockets, connected_sockets
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    old = socket.create_connection(server.getsockname()[:2])
+    old_far, _ = server.accept()
+    fd = old.fileno()
+    listed = connected_sockets()
+    link = listed[fd]
+    group = GroupSockets({link: 1})
+    old.close()  # gloo closed it: its number is free
+    new = socket.create_connection(server.getsockname()[:2])
+    new_far, _ = server.accept()
+    try:
+        assert new.fileno() == fd, "the kernel did not reuse the number (it hands out the lowest)"
+        monkeypatch.setattr(gloo_abort, "connected_sockets", lambda: listed)
+        assert group.shutdown() == 0
+        new.sendall(b"still connected")
+        new_far.settimeout(10)
+        assert new_far.recv(64) == b"still connected"
+    finally:
+        for sock in (server, old_far, new, new_far):
+            sock.close()

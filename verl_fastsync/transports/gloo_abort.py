@@ -235,8 +235,9 @@ class GroupSockets:
         return next((rank for (_, far), rank in self.links.items() if far in ends), None)
 
     def shutdown(self) -> int:
-        """Shut down every connection of the group still open (matched again by its addresses: a
-        number gloo closed may belong to another socket by now). Returns how many."""
+        """Shut down every connection of the group still open, matched by its addresses when listed
+        and again once its socket is held: a number gloo closed meanwhile is soon another socket's
+        (the kernel hands out the lowest free one). Returns how many."""
         done = 0
         for fd, link in connected_sockets().items():
             if link not in self.links:
@@ -246,6 +247,9 @@ class GroupSockets:
             except OSError:
                 continue
             try:
+                # listed a moment ago: the number may be a new group's connection by now
+                if (_endpoint(sock.getsockname()), _endpoint(sock.getpeername())) != link:
+                    continue
                 sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, shared with gloo's descriptor
                 done += 1
             except OSError:
