@@ -190,11 +190,12 @@ def test_a_tensor_larger_than_the_bucket_goes_on_before_its_last_piece_arrived(t
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
-def test_each_lane_enters_at_another_host_and_rail() -> None:
-    """2 senders, 2 hosts x 2 ranks, nixl: the first sync of a new lane runs directly (the ranks hold
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_each_lane_enters_at_another_host_and_rail(transport: str) -> None:
+    """2 senders, 2 hosts x 2 ranks: the first sync of a new lane runs directly (the ranks hold
     no endpoints of it yet), from the second on lane 0 is led by each host's first rank and lane 1 by
     its second, entering at the other host; every byte arrives on every sync."""
-    with _cluster("nixl", ["h1", "h1", "h2", "h2"], n_actor=2, senders=2) as cluster:
+    with _cluster(transport, ["h1", "h1", "h2", "h2"], n_actor=2, senders=2) as cluster:
         _check(cluster.sync(MODEL, 0), 0)
         assert all(r[0] == [["direct"], ["direct"]] for r in _roles(cluster))
         for seed in (1, 2):
@@ -234,15 +235,21 @@ def _run(
     seed: int,
     adapters: dict[int, Any] | None = None,
     die: int | None = None,
-    send_extra: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    send_extra: dict[int, dict[str, Any]] | None = None,
+) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """One sync, every rollout rank through verl's ``update_weights``: (each trainer rank's result,
+    each rollout rank's); ``send_extra`` and ``adapters`` by trainer and rollout rank."""
     cluster.build_process_group()
-    cluster.post(0, "exec", SEND.format(model=LONG, seed=seed, extra=send_extra or {}))
+    for trainer in range(cluster.n_actor):
+        extra = (send_extra or {}).get(trainer, {})
+        cluster.post(trainer, "exec", SEND.format(model=LONG, seed=seed, extra=extra))
     for rank in range(cluster.n_rollout):
         code = DIE if rank == die else RECEIVE.format(kw=repr((adapters or {}).get(rank, {})))
-        cluster.post(1 + rank, "exec", code)
-    rollouts = {rank: cluster.wait(1 + rank) for rank in range(cluster.n_rollout) if rank != die}
-    return cluster.wait(0), rollouts
+        cluster.post(cluster.n_actor + rank, "exec", code)
+    rollouts = {
+        rank: cluster.wait(cluster.n_actor + rank) for rank in range(cluster.n_rollout) if rank != die
+    }
+    return {trainer: cluster.wait(trainer) for trainer in range(cluster.n_actor)}, rollouts
 
 
 def _all_failed(results: dict[Any, dict[str, Any]], start: float, named: str, cause: str) -> None:
@@ -266,17 +273,17 @@ def test_a_failure_anywhere_ends_every_rank_with_its_cause(transport: str) -> No
     with _cluster(transport, ["h1", "h1", "h2", "h2"]) as cluster:
         _check(cluster.sync(MODEL, 0), 0)
         start = time.time()
-        trainer, rollouts = _run(cluster, 1, adapters={3: {"fail_at": 2}})
+        trainers, rollouts = _run(cluster, 1, adapters={3: {"fail_at": 2}})
         cluster.call_all("finalize")
         assert rollouts[3]["error"].startswith("LoadError: load_weights failed"), rollouts[3]
         del rollouts[3]
         _all_failed(
-            {"trainer": trainer, **rollouts}, start, "rollout rank 3", "the consumer failed: LoadError"
+            {"trainer": trainers[0], **rollouts}, start, "rollout rank 3", "the consumer failed: LoadError"
         )
         start = time.time()
-        trainer, rollouts = _run(cluster, 2, send_extra={"raise_after": 3})
+        trainers, rollouts = _run(cluster, 2, send_extra={0: {"raise_after": 3}})
         cluster.call_all("finalize")
-        assert "producer failed on purpose after 3 tensors" in trainer["error"], trainer
+        assert "producer failed on purpose after 3 tensors" in trainers[0]["error"], trainers
         cause = "RuntimeError: producer failed on purpose after 3 tensors"
         _all_failed(dict(rollouts), start, "trainer rank 0", cause)
         _check(cluster.sync(MODEL, 3), 3)
@@ -293,8 +300,42 @@ def test_a_relay_that_dies_mid_chain_is_named_on_every_rank() -> None:
         _check(cluster.sync(MODEL, 0), 0)
         cluster.call_all("finalize")
         start = time.time()
-        trainer, rollouts = _run(cluster, 1, die=0)
-        _all_failed({"trainer": trainer, **rollouts}, start, "rollout rank 0", "")
+        trainers, rollouts = _run(cluster, 1, die=0)
+        _all_failed({"trainer": trainers[0], **rollouts}, start, "rollout rank 0", "")
+
+
+@pytest.mark.verl
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_a_failure_in_one_lane_over_the_hosts_ends_every_lane_on_every_rank(transport: str) -> None:
+    """2 senders over 2 hosts x 2 ranks, both lanes through the hosts (from the second sync on).
+    Rollout rank 3's adapter raises at its 2nd tensor: every rollout rank ends within moments naming
+    it, and so does every trainer rank that fails (at least one does; a sender whose lane had
+    delivered its whole share may return, lanes.py: the sync failed on the rollout ranks, so verl's
+    manager fails the step). Then trainer rank 1's producer raises: every rollout rank ends with
+    that. The next sync is exact."""
+    with _cluster(transport, ["h1", "h1", "h2", "h2"], n_actor=2, senders=2) as cluster:
+        for seed in (0, 1):
+            _check(cluster.sync(MODEL, seed), seed)
+        assert all(["direct"] not in r[0] for r in _roles(cluster)), _roles(cluster)
+        start = time.time()
+        trainers, rollouts = _run(cluster, 2, adapters={3: {"fail_at": 2}})
+        cluster.call_all("finalize")
+        assert rollouts[3]["error"].startswith("LoadError: load_weights failed"), rollouts[3]
+        del rollouts[3]
+        cause = "the consumer failed: LoadError"
+        _all_failed(dict(rollouts), start, "rollout rank 3", cause)
+        failed = {f"trainer rank {i}": r for i, r in trainers.items() if r["status"] == "err"}
+        assert failed, f"every sender reported success for a sync a rollout rank failed: {trainers}"
+        _all_failed(failed, start, "rollout rank 3", cause)
+        start = time.time()
+        trainers, rollouts = _run(cluster, 3, send_extra={1: {"raise_after": 3}})
+        cluster.call_all("finalize")
+        assert "producer failed on purpose after 3 tensors" in trainers[1]["error"], trainers
+        cause = "RuntimeError: producer failed on purpose after 3 tensors"
+        _all_failed(dict(rollouts), start, "trainer rank 1", cause)
+        _check(cluster.sync(MODEL, 4), 4)
 
 
 COUNT = """
@@ -306,14 +347,15 @@ result = (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")))
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(1200)
-def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet() -> None:
-    """2 senders (nixl) to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_a_rollout_rank_holds_as_many_threads_and_sockets_in_a_bigger_fleet(transport: str) -> None:
+    """2 senders to 2 and then 3 hosts of 2 ranks: between syncs, rollout rank 0 (a leader
     relaying lane 0, a reader of lane 1) and rank 1 hold the same number of threads and (up to two)
     file descriptors in both fleets: what a rank holds grows with the lanes, not with lanes x ranks
     (a full-mesh group per lane, kept between syncs, grew with every rank)."""
     counts = []
     for hosts in (["h1", "h1", "h2", "h2"], ["h1", "h1", "h2", "h2", "h3", "h3"]):
-        with _cluster("nixl", hosts, n_actor=2, senders=2) as cluster:
+        with _cluster(transport, hosts, n_actor=2, senders=2) as cluster:
             for seed in range(3):
                 _check(cluster.sync(MODEL, seed), seed)
             seen = []

@@ -196,9 +196,8 @@ class FastsyncCheckpointEngine(CheckpointEngine):
         )
         self.align_experts = settings.align_experts
         self.senders = settings.senders
-        # one copy per host (hosts=auto) for gloo and nixl; gloo's lanes stay direct (hosts.py)
-        gloo_lanes = transport == "gloo" and self.senders != 1
-        self.hosts = settings.hosts == "auto" and supports_hosts(self.factory) and not gloo_lanes
+        # one copy per host (hosts=auto) for gloo and nixl, each lane of several senders too
+        self.hosts = settings.hosts == "auto" and supports_hosts(self.factory)
         self.transport: EngineTransport
         if self.senders == 1 and self.hosts:
             self.transport = HostsTransport(self.factory, self.options, trainer=is_master is not None)
