@@ -22,8 +22,7 @@ an 8-GPU host's link 8 times. Here every byte crosses each host's link about onc
 * with several senders (``senders``), each lane is one such chain, entering the fleet at a
   different host and, on hosts with a link per GPU, at a different rank of each host: lane ``k``'s
   chain starts at host ``k mod H`` and is led by each host's ``k mod R``-th rank, so ``K`` lanes use
-  ``min(K, R)`` rails of every host (nixl; the engine keeps gloo's lanes direct: over the hosts, a
-  4-sender sync to 4 hosts x 2 ranks once waited out ``timeout_s`` for a leader to join a lane);
+  ``min(K, R)`` rails of every host;
 * delta sync: leaders decode (one base per host and lane share), the next host gets the encoded
   stream, the host's ranks the rebuilt tensors.
 
