@@ -52,8 +52,10 @@ def test_a_process_in_a_limited_cgroup_sees_the_limit_not_the_host(
     seen = json.loads(out.strip().splitlines()[-1])
     host = Path("/proc/meminfo").read_text()
     assert limit < int(host.split("MemTotal:")[1].split()[0]) * 1024  # (else the test proves nothing)
-    # the interpreter itself is charged to the group: less than the limit, not by much
-    assert limit - 128 * MIB < seen["before"] == seen["cgroup"] <= limit, seen
+    # the interpreter itself is charged to the group: less than the limit, not by much; the two
+    # reads came a moment apart (the process allocates in between: 248 KiB once, on a busy host)
+    assert limit - 128 * MIB < seen["before"] <= limit and limit - 128 * MIB < seen["cgroup"] <= limit, seen
+    assert abs(seen["before"] - seen["cgroup"]) < 4 * MIB, seen
     # 200 MiB touched: what is left shrinks by that much
     assert 150 * MIB < seen["before"] - seen["after"] < 260 * MIB, seen
 
