@@ -194,13 +194,27 @@ def test_a_tensor_larger_than_the_bucket_goes_on_before_its_last_piece_arrived(t
 def test_each_lane_enters_at_another_host_and_rail(transport: str) -> None:
     """2 senders, 2 hosts x 2 ranks: the first sync of a new lane runs directly (the ranks hold
     no endpoints of it yet), from the second on lane 0 is led by each host's first rank and lane 1 by
-    its second, entering at the other host; every byte arrives on every sync."""
+    its second, entering at the other host; every byte arrives on every sync. A side of a rank that
+    a sync does not use keeps no group: a gloo group kept for reuse holds a connection to each of its
+    ranks, and a host's reader that received directly at the first sync kept that whole-fleet group
+    until the process ended."""
     with _cluster(transport, ["h1", "h1", "h2", "h2"], n_actor=2, senders=2) as cluster:
         _check(cluster.sync(MODEL, 0), 0)
         assert all(r[0] == [["direct"], ["direct"]] for r in _roles(cluster))
         for seed in (1, 2):
             _check(cluster.sync(MODEL, seed), seed)
         roles = [r[0] for r in _roles(cluster)]
+        kept = []
+        for rank in range(4):
+            cluster.post(2 + rank, "exec", KEPT_GROUPS)
+            kept.append(cluster.wait(2 + rank))
+    if transport == "gloo":
+        assert kept == [
+            [["relay", "up"], []],  # lane 0's leader on the first host, lane 1's reader there
+            [[], ["up"]],
+            [["up"], []],
+            [[], ["relay", "up"]],
+        ], kept
     assert roles == [
         [["down", "fanout", "up"], ["local"]],
         [["local"], ["fanout", "up"]],  # lane 1's chain ends at the first host

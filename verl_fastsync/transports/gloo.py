@@ -24,10 +24,8 @@ the sync only; the next sync reuses them while the peers are the same:
   its epoch equals the one handed out (and the store address, rank, world size and data host are
   unchanged); otherwise it aborts its group and builds the new one. The decision is a function of
   the metadata every rank was handed, so both sides agree without a handshake: a receiver that
-  restarted, failed its last sync, or joined anew reports no group, and then everybody rebuilds.
-  So does a side that has not taken a whole sync to its end on the group since it last connected
-  (``init_process_group`` without a complete ``send``/``receive``): a peer's broadcasts may still be
-  unread in its sockets, and reusing the group would hand them to the next sync.
+  restarted, failed its last sync, joined anew, or left its last sync unfinished (a peer's
+  broadcasts may still be unread in its sockets) reports no group, and then everybody rebuilds.
 * A stale topology (a restarted process handed an old epoch) cannot hang gloo's rendezvous: a rank
   claims ``(epoch, rank)`` on the store first and fails at once when it was already built. Then every
   rank waits on the store until all are in, or one that cannot join published why (it fails at once).
@@ -44,7 +42,8 @@ in slices of 0.1 s and reads the channel between them. So one rank's failure end
 rank at once with the first cause (a rank that sees a connection close first looks for its peer's
 cause, up to half a second), a failed side frees its threads, sockets and buffers at once, and
 ``timeout_s`` is only for a peer gone silent.
-* Cost between syncs: two buckets per side (a lending receiver's spare too), the group, the store.
+* Cost between syncs: two buckets per side (a lending receiver's spare too), the group (let go of
+  by a side a sync does not use: ``let_go_of_peers``), the store.
 
 Receivers lend (:mod:`verl_fastsync.io.lending`): a tensor carried whole in one chunk is a view into
 the receive buffer; a buffer the consumer still references stays with it while the slot takes a spare.
@@ -128,10 +127,8 @@ class GlooTransport(BufferedTransport):
         self._sockets = GroupSockets({})
         self._stop = threading.Event()  # set: the receive thread of this group gives up at once
         self._synced = False  # a whole sync (to its end) ran on the group since init_process_group
-        self.groups_built = 0
-        """Process groups this transport built (for tests and figures: reuse keeps it constant)."""
-        self.buffers_allocated = 0
-        """Times this transport allocated its two bucket buffers."""
+        self.groups_built = 0  # process groups built (for tests and figures: reuse keeps it constant)
+        self.buffers_allocated = 0  # times this transport allocated its two bucket buffers
 
     @property
     def group_epoch(self) -> str | None:
@@ -278,6 +275,9 @@ class GlooTransport(BufferedTransport):
             pass
         if held[0] is not None:
             let_go_later(held)
+
+    def let_go_of_peers(self) -> None:  # a kept group holds a connection to each of its ranks
+        self._drop_group()
 
     def _end_sync(self) -> None:
         """``finalize``: a sync that ended cleanly keeps the group, the store and the buffers for the

@@ -251,7 +251,14 @@ class HostsTransport(EngineTransport):
         self._make_sides()  # a lane's transport made at its first sync receives directly
         self.plan = plan
         self.fingerprint = str(plan.get("fingerprint"))
-        self._join(self._groups(int(size) if size is not None else 0))
+        groups = self._groups(int(size) if size is not None else 0)
+        used = [transport for _what, transport, _kwargs, _fleet in groups]
+        for side in (self.up, self.relay):  # e.g. a host's reader that received directly before
+            if side is not None and not any(side is transport for transport in used):
+                let_go = getattr(side, "let_go_of_peers", None)
+                if callable(let_go):
+                    let_go()
+        self._join(groups)
 
     def _join(self, groups: list[tuple[str, EngineTransport, dict[str, Any], list[int]]]) -> None:
         """Join every group at once (a sender's handshake waits for its receivers' hellos, which
