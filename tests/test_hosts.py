@@ -128,7 +128,8 @@ LOG_ARRIVALS = """
 import time
 t = worker.engine.transport
 t._make_sides()  # (made at the first prepare)
-receive, arrivals = t.up.receive, []
+side = t.{side}
+receive, arrivals = side.receive, []
 t.arrivals = arrivals
 
 async def logged():
@@ -136,7 +137,7 @@ async def logged():
         arrivals.append((name, time.monotonic()))
         yield name, tensor
 
-t.up.receive = logged
+side.receive = logged
 result = None
 """
 
@@ -161,30 +162,39 @@ BIG = [
 @pytest.mark.parametrize("transport", ["gloo", "nixl"])
 def test_a_tensor_larger_than_the_bucket_goes_on_before_its_last_piece_arrived(transport: str) -> None:
     """2 hosts (2 ranks, then 1), hop buckets of half the bucket: a tensor of 64 hop buckets reaches
-    the second host's leader before the first host's leader has received all of it (a hop costs one
-    hop bucket, not one tensor: the pieces in flight between the two are bounded by the buckets and
-    the relay's feed, far fewer than 64), and every rank, the one reading shared memory included,
-    gets every tensor exact."""
+    the second host's leader, and the first host's other rank through shared memory, before the
+    first host's leader has received all of it (a hop costs one hop bucket, not one tensor: the
+    pieces in flight are bounded by the buckets and the relay's feeds, far fewer than 64), and every
+    rank, the one reading shared memory included, gets every tensor exact."""
     with _cluster(transport, ["h1", "h1", "h2"]) as cluster:
         for rank in range(4):  # hop buckets of half the 4 KiB bucket (2 hosts), below the real floor
             cluster.post(rank, "exec", SMALL_FLOOR)
             cluster.wait(rank)
-        for rank in (0, 2):
-            cluster.post(1 + rank, "exec", LOG_ARRIVALS)
+        for rank, side in ((0, "up"), (1, "local"), (2, "up")):
+            cluster.post(1 + rank, "exec", LOG_ARRIVALS.format(side=side))
             cluster.wait(1 + rank)
         result = cluster.sync(BIG, 7)
         want = sorted(expected_digests(BIG, 7, 0))
         for rank, receiver in enumerate(result["receivers"]):
             assert sorted(tuple(d) for d in receiver["digests"]) == want, rank
         arrivals = []
-        for rank in (0, 2):
+        for rank in (0, 1, 2):
             cluster.post(1 + rank, "exec", "result = worker.engine.transport.arrivals")
             arrivals.append(cluster.wait(1 + rank))
     big = [[(n, at) for n, at in log if n.endswith("] experts.gate_up_proj")] for log in arrivals]
-    assert [len(pieces) for pieces in big] == [64, 64], arrivals
+    assert [len(pieces) for pieces in big] == [64, 64, 64], arrivals
     assert big[0][0][0] == "[fastsync: bytes 0-2048 of 131072, float32[32768]] experts.gate_up_proj"
-    first_on_second_host, last_on_first_host = big[1][0][1], big[0][-1][1]
-    assert first_on_second_host < last_on_first_host, [at for _, at in big[0]] + [at for _, at in big[1]]
+    last_on_first_leader = big[0][-1][1]
+    for other in (1, 2):  # the first host's shm reader, the second host's leader
+        first = big[other][0][1]
+        assert first < last_on_first_leader, (other, [at for _, at in big[0]], [at for _, at in big[other]])
+
+
+KEPT_GROUPS = """
+lanes = worker.engine.transport.lanes
+result = [sorted(side for side in ("up", "relay") if getattr(getattr(lane, side), "group_epoch", None))
+          for lane in lanes]
+"""
 
 
 @pytest.mark.verl

@@ -363,8 +363,8 @@ class HostsTransport(EngineTransport):
                 raise TransportError("fastsync hosts: this rank joined no group")
             stream = source.receive()  # type: ignore[assignment]
             decode = self.decode_item if direct else None
-            # pieces come from the trainer; the leader's fan-out sends tensors whole
-            pieces = assemble = Pieces(self._me(), self._destinations.allocate) if direct else None
+            # pieces come from the trainer, or from the leader's fan-out as they arrived there
+            pieces = assemble = Pieces(self._me(), self._destinations.allocate)
         async for name, tensor in stream:
             if assemble is not None:
                 try:

@@ -9,8 +9,9 @@ bucket-sized *pieces* (:func:`split_pieces`), each an item of its own whose rese
 bytes of which tensor it carries; every hop moves pieces like any other item (each one bucket,
 checked by ``verify`` like any other) and a leader passes each piece on as soon as it arrived.
 Only where a consumer needs the tensor are its pieces put back together (:class:`Pieces`): on each
-leader (for its own consumer, its host's ranks and delta's decode) and on a rank receiving
-directly. A hop then costs one bucket of latency, whatever the size of the tensors.
+leader (for its own consumer and delta's decode), on each of its host's ranks (the leader hands them
+pieces as they arrived, or a delta's decoded tensors whole) and on a rank receiving directly. A
+hop then costs one bucket of latency, whatever the size of the tensors.
 
 Pieces of one tensor travel in order and together (one sender per chain); anything else is a
 broken stream and fails the sync naming the tensor.
@@ -39,7 +40,7 @@ from verl_fastsync.chunks import (
 from verl_fastsync.transports.base import TransferStats, TransportError
 from verl_fastsync.transports.sending import aiter_items
 
-__all__ = ["PIECE_PREFIX", "Pieces", "count_of", "piece_name", "split_pieces"]
+__all__ = ["PIECE_PREFIX", "Pieces", "count_of", "is_piece", "piece_name", "split_pieces"]
 
 Item = tuple[str, torch.Tensor]
 
@@ -49,6 +50,11 @@ PIECE_PREFIX = "[fastsync: bytes "
 (a transport's error about the item in flight names the tensor and the bytes)."""
 
 _PIECE = re.compile(r"\[fastsync: bytes (\d+)-(\d+) of (\d+), (\w+)\[([\d, ]*)\]\] (.*)", re.DOTALL)
+
+
+def is_piece(name: str) -> bool:
+    """Whether ``name`` is a piece's (reserved: no tensor's name may start so)."""
+    return name.startswith(PIECE_PREFIX)
 
 
 def piece_name(
@@ -131,7 +137,7 @@ class Pieces:
         self._open: _Open | None = None
 
     def feed(self, name: str, tensor: torch.Tensor) -> Item | None:
-        match = _PIECE.fullmatch(name) if name.startswith(PIECE_PREFIX) else None
+        match = _PIECE.fullmatch(name) if is_piece(name) else None
         if match is None:
             if self._open is not None:
                 raise self._broken(f"{name!r} arrived")

@@ -1,6 +1,7 @@
 """A host leader's relay (:mod:`verl_fastsync.transports.hosts`): what arrives from upstream goes on to
 the next host as it arrived (a piece of a large tensor at once, a delta still encoded), to the host's
-other ranks through shared memory (whole, decoded) and to this rank's own consumer, bucket by bucket.
+other ranks through shared memory (a piece at once too; a delta decoded, so whole) and to this rank's
+own consumer (whole), bucket by bucket.
 
 The two onward sends run on threads of their own, each fed by a :class:`Feed` that holds at most a
 bounded number of bytes: the upstream stream is read as fast as the slowest of the three takes
@@ -35,7 +36,7 @@ from verl_fastsync.transports.base import (
     TransportError,
     failure_reason,
 )
-from verl_fastsync.transports.hosts_pieces import Pieces
+from verl_fastsync.transports.hosts_pieces import Pieces, is_piece
 from verl_fastsync.transports.lanes_plan import is_reserved
 from verl_fastsync.wire import Abort
 
@@ -207,10 +208,12 @@ class Relay:
                     self.pieces.finish()
                     break
                 from_up, upcoming = False, None
-                if self.onward and self.onward[0].what == "down":
-                    # onward as it came: a piece at once (a hop costs one bucket, not one tensor),
-                    # a delta still encoded
-                    await self.feeds[0].put((name, tensor))
+                # a piece goes onward at once: a hop costs one bucket, not one tensor; to the host's
+                # ranks too unless a delta must be decoded whole first (each rank puts it together)
+                piece = is_piece(name) and self.decode is None
+                for group, feed in zip(self.onward, self.feeds, strict=True):
+                    if group.what == "down" or (piece and group.what == "fanout"):
+                        await feed.put((name, tensor))  # a delta still encoded to the next host
                 whole = self.pieces.feed(name, tensor)
                 del tensor
                 if whole is None:
@@ -220,7 +223,7 @@ class Relay:
                 if self.decode is not None and not is_reserved(name):
                     name, tensor = self.decode(name, tensor)
                 for group, feed in zip(self.onward, self.feeds, strict=True):
-                    if group.what == "fanout":
+                    if group.what == "fanout" and not piece:
                         await feed.put((name, tensor))
                 out = (name, tensor if tensor.device == self.device else tensor.to(self.device))
                 del tensor
