@@ -284,6 +284,17 @@ def _all_failed(results: dict[Any, dict[str, Any]], start: float, named: str, ca
         assert result["ended"] - start < PROMPT_S, (who, result["ended"] - start)
 
 
+def _a_producer_fails(cluster: Cluster, seed: int, trainer: int) -> None:
+    """Trainer rank ``trainer``'s producer raises after 3 tensors: it fails with that, and every
+    rollout rank ends within moments naming it and the cause."""
+    start = time.time()
+    trainers, rollouts = _run(cluster, seed, send_extra={trainer: {"raise_after": 3}})
+    cluster.call_all("finalize")
+    assert "producer failed on purpose after 3 tensors" in trainers[trainer]["error"], trainers
+    cause = "RuntimeError: producer failed on purpose after 3 tensors"
+    _all_failed(dict(rollouts), start, f"trainer rank {trainer}", cause)
+
+
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
@@ -304,12 +315,7 @@ def test_a_failure_anywhere_ends_every_rank_with_its_cause(transport: str) -> No
         _all_failed(
             {"trainer": trainers[0], **rollouts}, start, "rollout rank 3", "the consumer failed: LoadError"
         )
-        start = time.time()
-        trainers, rollouts = _run(cluster, 2, send_extra={0: {"raise_after": 3}})
-        cluster.call_all("finalize")
-        assert "producer failed on purpose after 3 tensors" in trainers[0]["error"], trainers
-        cause = "RuntimeError: producer failed on purpose after 3 tensors"
-        _all_failed(dict(rollouts), start, "trainer rank 0", cause)
+        _a_producer_fails(cluster, 2, trainer=0)
         _check(cluster.sync(MODEL, 3), 3)
 
 
@@ -353,12 +359,7 @@ def test_a_failure_in_one_lane_over_the_hosts_ends_every_lane_on_every_rank(tran
         failed = {f"trainer rank {i}": r for i, r in trainers.items() if r["status"] == "err"}
         assert failed, f"every sender reported success for a sync a rollout rank failed: {trainers}"
         _all_failed(failed, start, "rollout rank 3", cause)
-        start = time.time()
-        trainers, rollouts = _run(cluster, 3, send_extra={1: {"raise_after": 3}})
-        cluster.call_all("finalize")
-        assert "producer failed on purpose after 3 tensors" in trainers[1]["error"], trainers
-        cause = "RuntimeError: producer failed on purpose after 3 tensors"
-        _all_failed(dict(rollouts), start, "trainer rank 1", cause)
+        _a_producer_fails(cluster, 3, trainer=1)
         _check(cluster.sync(MODEL, 4), 4)
 
 
