@@ -145,6 +145,26 @@ def test_a_released_group_is_never_destroyed_on_the_callers_thread() -> None:
     assert not on_caller, f"{len(on_caller)} of 300 destroyed on the caller's thread"
 
 
+@pytest.mark.timeout(120)
+def test_a_released_group_still_referenced_elsewhere_is_destroyed_on_the_release_thread() -> None:
+    """A failed receive's traceback keeps the frame that held the group, and that exception is freed
+    on the event loop's thread. The release thread keeps its reference until the other is gone, so
+    the destructor runs there, not where the exception died (CI: a rollout rank's loop stalled 40 s
+    in the destructor of a group whose last reference a suppressed lane error held)."""
+    ran_on: list[str] = []
+    elsewhere = [_Recorder(ran_on) for _ in range(20)]  # stand for the traceback's frames
+    for recorder in elsewhere:
+        let_go_later([recorder])
+    del recorder
+    time.sleep(0.5)  # every release thread has looked: the other reference still stands
+    assert not ran_on, f"{len(ran_on)} destroyed while referenced elsewhere"
+    elsewhere.clear()  # the exception dies on this (the loop's) thread
+    deadline = time.monotonic() + 60
+    while len(ran_on) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran_on == ["fastsync-gloo-release"] * 20, ran_on
+
+
 @pytest.mark.timeout(300)
 def test_two_groups_built_at_once_never_take_each_others_connections() -> None:
     """The lanes of several senders build their groups at once between the same processes. Each
@@ -212,6 +232,46 @@ def test_device_listeners_leave_out_a_listener_other_code_opened_meanwhile() -> 
         assert (host, port) not in listeners, (listeners, (host, port))
     finally:
         for sock in foreign:
+            sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_connections_number_taken_by_a_unix_socket_leaves_no_other_connection_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, but the number now names a Unix socket (asyncio's self-pipe, a multiprocessing
+    pipe): its address is no (host, port). Its check raised out of the shutdown, which the group's
+    close swallows as best effort, and the group's later connections stayed open: a broadcast posted
+    on them waited out ``timeout_s`` in gloo's thread, and the group's destructor with it (the likely
+    cause of a CI run where a rollout rank's failed sync took 60 s to end, with the destructor on the
+    loop's thread, see the test above). Every other connection of the group must close."""
+    from verl_fastsync.transports import gloo_abort
+    from verl_fastsync.transports.gloo_abort import GroupSockets, connected_sockets
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    reused = socket.create_connection(server.getsockname()[:2])
+    reused_far, _ = server.accept()
+    kept = socket.create_connection(server.getsockname()[:2])
+    kept_far, _ = server.accept()
+    fd = reused.fileno()
+    listed = connected_sockets()
+    ordered = {fd: listed[fd], kept.fileno(): listed[kept.fileno()]}  # the reused number first
+    group = GroupSockets({link: 1 for link in ordered.values()})
+    pipe_a, pipe_b = socket.socketpair()
+    os.dup2(pipe_a.fileno(), fd)  # gloo closed the connection; the number is a Unix socket's now
+    try:
+        monkeypatch.setattr(gloo_abort, "connected_sockets", lambda: ordered)
+        assert group.shutdown() == 1
+        kept_far.settimeout(10)
+        assert kept_far.recv(64) == b"", "the group's other connection is still open"
+        pipe_b.sendall(b"still connected")
+        with socket.socket(fileno=os.dup(fd)) as unix:
+            unix.settimeout(10)
+            assert unix.recv(64) == b"still connected"
+    finally:
+        for sock in (server, reused, reused_far, kept, kept_far, pipe_a, pipe_b):
             sock.close()
 
 

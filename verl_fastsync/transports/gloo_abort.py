@@ -36,6 +36,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +63,9 @@ _JOIN_POLL_S = 0.05  # a rank waiting for the others to join reads the abort cha
 _DEVICE_LOCK = threading.Lock()  # one device creation at a time per process: its listener is told apart
 _DEVICE_TRIES = 5  # a listener opened meanwhile by other code (not gloo's) makes a creation ambiguous
 _ANY = ("0.0.0.0", "::", "")
+_RELEASE_POLL_S = 0.01  # a released object still referenced elsewhere is looked at again after this
+_RELEASE_POLL_MAX_S = 1.0  # ... doubling up to this
+_ONLY_OURS = 2  # sys.getrefcount of an object only the release list holds (the list, the argument)
 _PEER = re.compile(r"\[([^\]]+)\]:(\d+)")
 
 
@@ -122,28 +126,34 @@ def _endpoint(address: Any) -> Endpoint:
     return host.removeprefix("::ffff:") if "." in host else host, int(address[1])
 
 
+def _ends(sock: socket.socket) -> tuple[Endpoint, Endpoint | None] | None:
+    """(Local address, peer address; ``None``: listening) of a TCP socket; ``None`` for any other
+    socket (a Unix one, say) or one not or no longer connected."""
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        local = _endpoint(sock.getsockname())
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return local, None
+        return local, _endpoint(sock.getpeername())
+    except OSError:
+        return None
+
+
 def _tcp_sockets() -> dict[int, tuple[Endpoint, Endpoint | None]]:
     """This process's TCP sockets: fd -> (local address, peer address; ``None``: listening)."""
     found: dict[int, tuple[Endpoint, Endpoint | None]] = {}
     for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(fd))
+            sock = socket.socket(fileno=os.dup(int(name)))
         except OSError:
             continue  # closed meanwhile
-        try:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                found[fd] = (_endpoint(sock.getsockname()), None)
-            else:
-                found[fd] = (_endpoint(sock.getsockname()), _endpoint(sock.getpeername()))
-        except OSError:
-            pass  # not connected
-        finally:
-            sock.close()  # the duplicate only
+        with sock:  # the duplicate only
+            ends = _ends(sock)
+        if ends is not None:
+            found[int(name)] = ends
     return found
 
 
@@ -247,8 +257,9 @@ class GroupSockets:
             except OSError:
                 continue
             try:
-                # listed a moment ago: the number may be a new group's connection by now
-                if (_endpoint(sock.getsockname()), _endpoint(sock.getpeername())) != link:
+                # listed a moment ago: the number may be another socket by now, of any kind (a Unix
+                # socket's address once stopped this loop, leaving the rest of the group connected)
+                if _ends(sock) != link:
                     continue
                 sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, shared with gloo's descriptor
                 done += 1
@@ -262,7 +273,14 @@ class GroupSockets:
 
 def _let_go(held: list[Any], after_s: float) -> None:
     time.sleep(after_s)
-    held.clear()  # the only reference: the destructor (a group's joins gloo's threads) runs here
+    # Another reference may outlive the caller's: a failed receive's traceback keeps the frame that
+    # held the group (it is freed where the exception is, on the event loop's thread). Wait until
+    # this thread's is the last one, so the destructor runs here whoever lets go of theirs last.
+    poll = _RELEASE_POLL_S
+    while held and held[0] is not None and sys.getrefcount(held[0]) > _ONLY_OURS:
+        time.sleep(poll)
+        poll = min(2 * poll, _RELEASE_POLL_MAX_S)
+    held.clear()  # the last reference: the destructor (a group's joins gloo's threads) runs here
 
 
 def let_go_later(held: list[Any], after_s: float = 0.0) -> None:
@@ -271,7 +289,8 @@ def let_go_later(held: list[Any], after_s: float = 0.0) -> None:
     short-lived daemon thread, never on the caller's (the event loop's) thread: a group's destructor
     joins gloo's threads, which may wait out a broadcast. Passing the object itself would race: if
     the thread finished first, the caller's own reference would be the last one, and the destructor
-    would run on the caller's thread after all."""
+    would run on the caller's thread after all. For the same reason the thread keeps its reference
+    until every other one (an exception's traceback, say) is gone."""
     if held:
         thread = threading.Thread(
             target=_let_go, args=(held, after_s), name="fastsync-gloo-release", daemon=True
