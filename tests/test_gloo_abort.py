@@ -19,15 +19,18 @@ metadata and payload.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import socket
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -165,6 +168,31 @@ def test_a_released_group_still_referenced_elsewhere_is_destroyed_on_the_release
     assert ran_on == ["fastsync-gloo-release"] * 20, ran_on
 
 
+@pytest.mark.timeout(60)
+def test_a_kept_failure_of_a_receive_keeps_no_group_alive() -> None:
+    """A failed receive's exception is kept in its future (and, in a reference cycle, until the
+    garbage collector runs): its traceback's frames must not hold the group, or the group's threads
+    and sockets stay until then (the fleet test saw gloo frames 1 s after a failure). A real gloo
+    group of one rank, held as the receive holds it; the kept exception still names its cause."""
+    from verl_fastsync.transports.gloo_abort import frames_cleared_on_error
+
+    def receive(group: Any) -> None:
+        held = group  # as ``_recv_next`` holds the group it started on
+        raise RuntimeError(f"the broadcast failed on {type(held).__name__}")
+
+    kept: dict[str, BaseException] = {}
+    for name, call in (("plain", receive), ("cleared", frames_cleared_on_error(receive))):
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+        alive = weakref.ref(group)
+        try:
+            call(group)
+        except RuntimeError as exc:
+            kept[name] = exc  # as a future keeps it
+        del group
+        assert (alive() is not None) == (name == "plain"), name
+    assert str(kept["cleared"]) == "the broadcast failed on ProcessGroupGloo"
+
+
 @pytest.mark.timeout(300)
 def test_two_groups_built_at_once_never_take_each_others_connections() -> None:
     """The lanes of several senders build their groups at once between the same processes. Each
@@ -211,8 +239,6 @@ def test_device_listeners_leave_out_a_listener_other_code_opened_meanwhile() -> 
     """A group's connections are told apart by its devices' listeners: another listener opened while
     the devices were made (another transport's, on another thread) must not be taken for one of
     them; the creation is redone and yields exactly the devices' own."""
-    import torch.distributed as dist
-
     from verl_fastsync.transports.gloo_abort import create_devices
 
     foreign: list[socket.socket] = []

@@ -322,11 +322,12 @@ def test_a_failure_anywhere_ends_every_rank_with_its_cause(transport: str) -> No
 @pytest.mark.verl
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
-def test_a_relay_that_dies_mid_chain_is_named_on_every_rank() -> None:
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_a_relay_that_dies_mid_chain_is_named_on_every_rank(transport: str) -> None:
     """The first host's leader (rollout rank 0, the relay to the second host) is killed while loading
     its 5th tensor: the trainer, its own host's other rank and the second host's ranks all fail within
     moments, naming rollout rank 0."""
-    with _cluster("nixl", ["h1", "h1", "h2", "h2"]) as cluster:
+    with _cluster(transport, ["h1", "h1", "h2", "h2"]) as cluster:
         _check(cluster.sync(MODEL, 0), 0)
         cluster.call_all("finalize")
         start = time.time()

@@ -67,6 +67,7 @@ from verl_fastsync.transports.gloo_abort import (
     AbortChannel,
     GroupSockets,
     create_devices,
+    frames_cleared_on_error,
     join_barrier,
     let_go_later,
     publish_join_abort,
@@ -349,8 +350,7 @@ class GlooTransport(BufferedTransport):
         return self._abort_error(self.label(message.rank), message.reason), True
 
     def _broadcast(self, tensor: torch.Tensor, group: Any = None) -> Any:
-        """Post one broadcast on ``group`` (default: the current one); gloo gives up on it
-        ``timeout_s`` after it starts."""
+        """Post one broadcast on ``group`` (default: the current one); gloo gives up after ``timeout_s``."""
         pg = self._pg if group is None else group
         if pg is None:
             raise TransportError(f"{self.me}: the group was closed")
@@ -436,8 +436,7 @@ class GlooTransport(BufferedTransport):
             pass
 
     def _interrupt_receive(self) -> bool:
-        """The receive thread stops at its next wait slice; closing the sockets fails its broadcast
-        at once (and frees the bucket it was receiving into)."""
+        """Closing the sockets fails the receive thread's broadcast at once (it frees the bucket)."""
         self._drop_group()
         return True
 
@@ -448,6 +447,7 @@ class GlooTransport(BufferedTransport):
             raise TransportError(f"gloo transport: sender named slot {slot}; only 0 and 1 exist")
         return self._bufs[slot]
 
+    @frames_cleared_on_error  # the failure kept in a future must not keep the group (let_go_later)
     def _recv_next(self) -> BucketReady | SyncEnd:
         # Every broadcast goes to the group this call started on: after a failure this thread may
         # still be blocked in it while the transport already belongs to the next sync's group.

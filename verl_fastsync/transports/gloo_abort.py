@@ -32,6 +32,7 @@ slices), and the failing rank publishes its cause there with :func:`publish_join
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import re
@@ -39,8 +40,9 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
@@ -51,11 +53,14 @@ __all__ = [
     "GroupSockets",
     "connected_sockets",
     "create_devices",
+    "frames_cleared_on_error",
     "join_barrier",
     "let_go_later",
     "publish_join_abort",
 ]
 
+P = ParamSpec("P")
+R = TypeVar("R")
 Endpoint = tuple[str, int]
 Link = tuple[Endpoint, Endpoint]  # (this side's address, the peer's address)
 
@@ -64,7 +69,7 @@ _DEVICE_LOCK = threading.Lock()  # one device creation at a time per process: it
 _DEVICE_TRIES = 5  # a listener opened meanwhile by other code (not gloo's) makes a creation ambiguous
 _ANY = ("0.0.0.0", "::", "")
 _RELEASE_POLL_S = 0.01  # a released object still referenced elsewhere is looked at again after this
-_RELEASE_POLL_MAX_S = 1.0  # ... doubling up to this
+_RELEASE_POLL_MAX_S = 0.1  # ... doubling up to this (a kept group's threads and sockets go soon after)
 _ONLY_OURS = 2  # sys.getrefcount of an object only the release list holds (the list, the argument)
 _PEER = re.compile(r"\[([^\]]+)\]:(\d+)")
 
@@ -269,6 +274,24 @@ class GroupSockets:
                 sock.close()
         self.links = {}
         return done
+
+
+def frames_cleared_on_error(func: Callable[P, R]) -> Callable[P, R]:
+    """``func``, whose exceptions leave with the locals of its frame and its callees' cleared: a
+    failure kept somewhere (a receive's, in its future; a traceback in a reference cycle until the
+    garbage collector runs) must not keep a group or a store alive, which :func:`let_go_later`
+    would wait for (its threads and sockets held, and the destructor run where the last one dies)."""
+
+    @functools.wraps(func)
+    def cleared(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)  # all but this one, still running
+            del args, kwargs  # this frame stays in the traceback too
+            raise
+
+    return cleared
 
 
 def _let_go(held: list[Any], after_s: float) -> None:
