@@ -264,6 +264,12 @@ class EngineTransport(ABC):
     def finalize(self) -> None:
         """Free buffers and close endpoints (idempotent; also safe after an error)."""
 
+    def let_go_of_peers(self) -> None:
+        """This side takes no part in the coming sync (a side of :mod:`~verl_fastsync.transports.hosts`
+        the sync's plan does not use): let go of connections kept for a next sync with the same
+        group, keep what ``prepare()`` made. Default: nothing is kept between syncs."""
+        return None
+
     @property
     def last_stats(self) -> TransferStats | None:
         return None

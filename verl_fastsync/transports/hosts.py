@@ -255,9 +255,7 @@ class HostsTransport(EngineTransport):
         used = [transport for _what, transport, _kwargs, _fleet in groups]
         for side in (self.up, self.relay):  # e.g. a host's reader that received directly before
             if side is not None and not any(side is transport for transport in used):
-                let_go = getattr(side, "let_go_of_peers", None)
-                if callable(let_go):
-                    let_go()
+                side.let_go_of_peers()
         self._join(groups)
 
     def _join(self, groups: list[tuple[str, EngineTransport, dict[str, Any], list[int]]]) -> None:

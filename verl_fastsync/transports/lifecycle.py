@@ -166,11 +166,6 @@ class TransportCore(EngineTransport):
         self.finalize()
         self._safe_close()
 
-    def let_go_of_peers(self) -> None:
-        """This side takes no part in the coming sync (a side of :mod:`~verl_fastsync.transports.hosts`
-        the sync's plan does not use): let go of connections kept for a next sync with the same
-        group, keep what ``prepare()`` made. Hook; default: nothing is kept between syncs."""
-
     def _end_open_stream(self) -> None:
         """A sync ends or a new one starts: fail a receive stream of this side that never ended
         (hook; see :class:`~verl_fastsync.transports.buffered.BufferedTransport`)."""
